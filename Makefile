@@ -1,0 +1,41 @@
+# Two commands for a newcomer: `make run` and `make test`. Both bootstrap .venv.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tiered_kv-installed
+CONFIG ?= configs/default.yaml
+
+.PHONY: venv run test test-gpu lint bench clean
+
+venv: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# The CPU torch wheel goes in first, so the unpinned dependency in pyproject never
+# pulls a multi-GB CUDA build; skipped when the venv already imports a torch.
+$(STAMP): pyproject.toml | $(PY)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	@touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/tiered-kv replay --config $(CONFIG)
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check tiered_kv tests
+	$(PY) -m pytest -q
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu tests
+
+bench: $(STAMP)
+	$(VENV)/bin/tiered-kv bench
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check tiered_kv tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,65 @@
+"""Prometheus counters per tier and direction, one registry per cache.
+
+Hit rates are derived from counters (hits / lookups), never stored as gauges.
+A frontend serves ``cache.metrics.registry`` with its own HTTP stack, or calls
+``serve(port)``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+TIERS = ("cpu", "disk")
+DIRECTIONS = ("gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk", "disk_to_cpu")
+_LATENCY_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class CacheMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.lookups = Counter("tiered_kv_lookup_blocks", "Blocks asked for by lookup", registry=r)
+        self.hits = Counter("tiered_kv_hit_blocks", "Leading blocks found by lookup", ["tier"], registry=r)
+        self.bytes = Counter("tiered_kv_bytes", "Bytes moved", ["direction"], registry=r)
+        self.blocks = Counter("tiered_kv_blocks_moved", "Blocks moved", ["direction"], registry=r)
+        self.seconds = Counter("tiered_kv_transfer_seconds", "Wall time of copies", ["direction"], registry=r)
+        self.evictions = Counter("tiered_kv_evictions", "Blocks evicted", ["tier"], registry=r)
+        self.spills = Counter("tiered_kv_spills", "Blocks written from CPU to disk", registry=r)
+        self.skipped = Counter("tiered_kv_store_skipped", "Blocks a store could not place", registry=r)
+        self.corrupt = Counter("tiered_kv_corrupt_blocks", "Blocks dropped on a failed check", ["tier"], registry=r)
+        self.degraded = Counter("tiered_kv_degraded_events", "Tier faults that disabled writes", ["tier"], registry=r)
+        self.inflight_bytes = Gauge("tiered_kv_inflight_bytes", "Bytes of copies in flight", registry=r)
+        self.used_slots = Gauge("tiered_kv_used_slots", "Slots holding or receiving a block", ["tier"], registry=r)
+        self.latency = Histogram(
+            "tiered_kv_op_seconds", "load/store latency", ["op"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+        for tier in TIERS:  # pre-create label children so every series is exported from the start
+            self.hits.labels(tier)
+            self.evictions.labels(tier)
+            self.corrupt.labels(tier)
+            self.degraded.labels(tier)
+            self.used_slots.labels(tier)
+        for direction in DIRECTIONS:
+            self.bytes.labels(direction)
+            self.blocks.labels(direction)
+            self.seconds.labels(direction)
+
+    def moved(self, direction: str, nblocks: int, nbytes: int, seconds: float) -> None:
+        self.blocks.labels(direction).inc(nblocks)
+        self.bytes.labels(direction).inc(nbytes)
+        self.seconds.labels(direction).inc(seconds)
+
+    def snapshot(self) -> dict[str, float]:
+        """Flat ``name{label}`` -> value, read from the registry (for stats() and reports)."""
+        out: dict[str, float] = {}
+        for family in self.registry.collect():
+            for sample in family.samples:
+                if sample.name.endswith(("_created", "_bucket")):
+                    continue
+                label = ",".join(sample.labels.values())
+                out[f"{sample.name}{{{label}}}" if label else sample.name] = sample.value
+        return out
+
+    def serve(self, port: int, addr: str = "127.0.0.1"):
+        """Expose /metrics on ``addr:port``; returns (server, thread)."""
+        return start_http_server(port, addr=addr, registry=self.registry)

@@ -1,0 +1,68 @@
+"""Human byte sizes: ``512MiB``, ``32GiB``, ``1.5TB`` or a plain integer."""
+
+from __future__ import annotations
+
+import math
+import re
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: object) -> int:
+    """Return ``value`` as a whole number of bytes.
+
+    Raises ValueError (wrapped into ConfigError by the config loader) for
+    negatives, booleans, non-finite numbers, unknown units and fractions of a byte.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size like 512MiB, got boolean {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must not be negative, got {value}")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value) or value < 0 or value != int(value):
+            raise ValueError(f"size must be a non-negative whole number of bytes, got {value!r}")
+        return int(value)
+    if not isinstance(value, str):
+        raise ValueError(f"expected a size like 512MiB, got {type(value).__name__}")
+    match = _SIZE_RE.match(value)
+    if not match:
+        raise ValueError(f"cannot parse size {value!r} (examples: 4096, 512MiB, 32GiB, 1.5TB)")
+    number, unit = match.groups()
+    factor = _UNITS.get(unit.lower())
+    if factor is None:
+        raise ValueError(f"unknown size unit {unit!r} in {value!r} (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
+    # Exact arithmetic: "1.5TB" must not pick up float rounding error.
+    whole, _, frac = number.partition(".")
+    numerator = int((whole or "0") + frac) * factor
+    denominator = 10 ** len(frac)
+    if numerator % denominator:
+        raise ValueError(f"size {value!r} is not a whole number of bytes")
+    return numerator // denominator
+
+
+def format_size(nbytes: int) -> str:
+    """Binary-unit rendering for reports (``32.0 GiB``)."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{nbytes} B"  # pragma: no cover

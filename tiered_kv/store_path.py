@@ -1,0 +1,121 @@
+"""The store path: dedupe -> reserve CPU slots -> GPU->CPU copy -> commit (or abort)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .cache import TieredKVCache, _Op
+
+
+@dataclass(frozen=True)
+class StoreResult:
+    stored: int = 0  # copied into new CPU slots
+    deduped: int = 0  # already resident (or repeated in the call): touched, not copied
+    in_flight: int = 0  # another store of the key is still in flight
+    skipped: int = 0  # did not fit (the trailing new keys), or the call was cancelled
+
+
+async def store_body(cache: TieredKVCache, op: _Op, keys: Sequence[bytes], gpu_ids: Sequence[int]) -> StoreResult:
+    cpu = cache.cpu
+    disk_ready = cache.disk.index.ready if cache.disk is not None else {}
+    todo: list[tuple[bytes, int]] = []
+    deduped = in_flight = 0
+    seen: set[bytes] = set()
+    for key, gid in zip(keys, gpu_ids, strict=True):
+        if key in seen or key in cpu.ready or key in disk_ready:
+            deduped += 1
+        elif key in cpu.pending:
+            in_flight += 1
+        else:
+            todo.append((key, gid))
+        seen.add(key)
+    if not todo:
+        cache.touch(keys)
+        return StoreResult(0, deduped, in_flight, 0)
+
+    bpb = cache.layout.bytes_per_block
+    budget = len(todo) * bpb
+    await cache._budget.acquire(budget)
+    slots: list[int] = []
+    reserved: list[tuple[bytes, int]] = []
+    try:
+        _reserve_into(cache, todo, reserved)
+        if len(reserved) < len(todo) and not op.cancelled:
+            await cache.make_cpu_room(len(todo) - len(reserved))
+            _reserve_into(cache, todo, reserved)
+        if op.cancelled or not reserved:
+            for _, slot in reserved:
+                cpu.abort(slot)
+            return StoreResult(0, deduped, in_flight, len(todo))
+        slots = [slot for _, slot in reserved]
+        gids = [gid for (_, gid), _ in zip(todo, reserved, strict=False)]
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        handle = cache._engine.submit_store(gids, slots)
+        try:
+            await handle
+        except BaseException:
+            # The engine only fails a batch once nothing more will land: safe to free.
+            for slot in slots:
+                cpu.abort(slot)
+            raise
+        if op.cancelled:
+            # The caller gave up: it may already be reusing those GPU blocks, so
+            # what we copied cannot be trusted to match the keys. Discard it.
+            for slot in slots:
+                cpu.abort(slot)
+            return StoreResult(0, deduped, in_flight, len(todo))
+        cache.metrics.moved("gpu_to_cpu", len(slots), len(slots) * bpb, loop.time() - t0)
+        _commit_in_prefix_order(cache, keys, reserved)
+        if cache._write_through and cache.disk is not None and cache.disk.writable:
+            for key, slot in reserved:
+                cpu.pin(slot)
+                cache.spawn(cache.spill(slot, key))
+        return StoreResult(len(slots), deduped, in_flight, len(todo) - len(slots))
+    finally:
+        cache._budget.release(budget)
+        cache._sync_cpu_gauge()
+        if len(reserved) < len(todo):
+            cache.metrics.skipped.inc(len(todo) - len(reserved))
+
+
+def _reserve_into(cache: TieredKVCache, todo: list[tuple[bytes, int]], reserved: list[tuple[bytes, int]]) -> None:
+    """Reserve free slots for the next keys in order; stops at the first that does not fit."""
+    cpu = cache.cpu
+    while len(reserved) < len(todo):
+        key = todo[len(reserved)][0]
+        if key in cpu.ready or key in cpu.pending:  # raced in while we waited for room
+            return
+        slot = cpu.reserve(key)
+        if slot is None:
+            return
+        reserved.append((key, slot))
+    # Ascending slots copy as contiguous runs; which key gets which slot is free to choose.
+    keys_order = [k for k, _ in reserved]
+    slots_sorted = sorted(s for _, s in reserved)
+    if [s for _, s in reserved] != slots_sorted:
+        for (key, _old), new in zip(list(reserved), slots_sorted, strict=True):
+            cpu.pending[key] = new
+            cpu.slot_key[new] = key
+        reserved[:] = list(zip(keys_order, slots_sorted, strict=True))
+
+
+def _commit_in_prefix_order(cache: TieredKVCache, keys: Sequence[bytes], reserved: list[tuple[bytes, int]]) -> None:
+    """Commit new blocks and touch old ones, last key first: the prefix's head ends most recent."""
+    new = dict(reserved)
+    cpu = cache.cpu
+    disk = cache.disk.index if cache.disk is not None else None
+    for key in reversed(keys):
+        slot = new.pop(key, None)
+        if slot is not None:
+            cpu.commit(slot)
+            continue
+        resident = cpu.ready.get(key)
+        if resident is not None:
+            cpu.touch(resident)
+        elif disk is not None and (dslot := disk.ready.get(key)) is not None:
+            disk.touch(dslot)

@@ -1,0 +1,188 @@
+"""The copy-engine interface shared by the host and CUDA engines.
+
+Bookkeeping here runs on the event-loop thread only (submit, resolve, close),
+so it needs no locks. Engines move the bytes elsewhere (a worker thread, a CUDA
+stream) and hand completion back with ``loop.call_soon_threadsafe(self._resolve, ...)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Generator, Sequence
+from typing import Any
+
+import torch
+
+from tiered_kv.errors import LayoutError, TransferError
+from tiered_kv.transfer.plan import check_ids
+
+log = logging.getLogger(__name__)
+
+
+class Direction(enum.Enum):
+    STORE = "store"  # GPU -> CPU
+    LOAD = "load"  # CPU -> GPU
+
+
+class CopyHandle:
+    """One submitted batch.
+
+    ``future`` belongs to the engine: it resolves only once every byte of the
+    batch has landed (or fails with TransferError). Awaiting the handle awaits a
+    shield of it, so cancelling the awaiting task never cancels the copy; the
+    caller must not reuse the slots/blocks until ``done()``.
+    """
+
+    __slots__ = ("future", "nbytes", "direction", "event")
+
+    def __init__(self, future: asyncio.Future[None], nbytes: int, direction: Direction) -> None:
+        self.future = future
+        self.nbytes = nbytes
+        self.direction = direction
+        # The CUDA completion event (CUDAStreamEngine only): a compute stream can
+        # ``wait_event`` on it instead of waiting for the loop to hear about it.
+        self.event: Any = None
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return asyncio.shield(self.future).__await__()
+
+    def __repr__(self) -> str:
+        return f"CopyHandle({self.direction.value}, nbytes={self.nbytes}, done={self.done()})"
+
+
+class CopyEngine(ABC):
+    """Copies whole blocks (all regions) between GPU blocks and CPU slots."""
+
+    def __init__(self, gpu_regions: Sequence[torch.Tensor], cpu_regions: Sequence[torch.Tensor]) -> None:
+        self._gpu = tuple(gpu_regions)
+        self._cpu = tuple(cpu_regions)
+        validate_regions(self._gpu, self._cpu)
+        self.num_blocks = int(self._gpu[0].shape[0])
+        self.num_slots = int(self._cpu[0].shape[0])
+        self.block_bytes = tuple(int(t.shape[1]) for t in self._gpu)
+        self.bytes_per_block = sum(self.block_bytes)
+        self._pending: set[asyncio.Future[None]] = set()
+        self._idle: asyncio.Future[None] | None = None
+        self._closed = False
+        self._close_task: asyncio.Future[None] | None = None
+
+    @property
+    def inflight(self) -> int:
+        """Batches submitted whose copy has not finished yet."""
+        return len(self._pending)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def submit_store(self, gpu_ids: Sequence[int], cpu_slots: Sequence[int]) -> CopyHandle:
+        """Copy GPU blocks ``gpu_ids[i]`` into CPU slots ``cpu_slots[i]``."""
+        src, dst = check_ids(
+            gpu_ids, cpu_slots, src_len=self.num_blocks, dst_len=self.num_slots,
+            src_name="gpu block id", dst_name="cpu slot",
+        )  # fmt: skip
+        return self._submit(Direction.STORE, src, dst)
+
+    def submit_load(self, cpu_slots: Sequence[int], gpu_ids: Sequence[int]) -> CopyHandle:
+        """Copy CPU slots ``cpu_slots[i]`` into GPU blocks ``gpu_ids[i]``."""
+        src, dst = check_ids(
+            cpu_slots, gpu_ids, src_len=self.num_slots, dst_len=self.num_blocks,
+            src_name="cpu slot", dst_name="gpu block id",
+        )  # fmt: skip
+        return self._submit(Direction.LOAD, src, dst)
+
+    async def aclose(self) -> None:
+        """Refuse new batches, wait for every in-flight one, release resources. Idempotent."""
+        self._closed = True
+        if self._close_task is None:
+            self._close_task = asyncio.ensure_future(self._drain_and_release())
+        await asyncio.shield(self._close_task)
+
+    async def __aenter__(self) -> CopyEngine:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # -- for subclasses ---------------------------------------------------
+
+    @abstractmethod
+    def _launch(
+        self, direction: Direction, src: list[int], dst: list[int], handle: CopyHandle,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:  # fmt: skip
+        """Start the copy; arrange ``loop.call_soon_threadsafe(self._resolve, fut, err)`` at the end."""
+
+    @abstractmethod
+    def _release(self) -> None:
+        """Free threads/streams; called once, after every batch has finished."""
+
+    def _resolve(self, future: asyncio.Future[None], error: BaseException | None) -> None:
+        """Mark a batch finished; runs on the loop thread."""
+        self._pending.discard(future)
+        if not future.done():  # a caller may have cancelled it despite the docs
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
+        elif error is not None:
+            log.error("transfer failed after its future was cancelled: %s", error)
+        if not self._pending and self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
+
+    # -- internals --------------------------------------------------------
+
+    def _submit(self, direction: Direction, src: list[int], dst: list[int]) -> CopyHandle:
+        if self._closed:
+            raise TransferError(f"submit_{direction.value} on a closed {type(self).__name__}")
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise TransferError(f"submit_{direction.value} must be called on the event loop thread") from None
+        future: asyncio.Future[None] = loop.create_future()
+        handle = CopyHandle(future, len(src) * self.bytes_per_block, direction)
+        self._pending.add(future)
+        try:
+            self._launch(direction, src, dst, handle, loop)
+        except BaseException as exc:
+            # Nothing was queued (engines launch atomically or report through the future).
+            self._pending.discard(future)
+            future.cancel()
+            if isinstance(exc, TransferError):
+                raise
+            raise TransferError(f"could not start {direction.value} of {len(src)} blocks: {exc}") from exc
+        return handle
+
+    async def _drain_and_release(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._pending:
+            self._idle = loop.create_future()
+            await self._idle
+        self._release()
+
+
+def validate_regions(gpu: Sequence[torch.Tensor], cpu: Sequence[torch.Tensor]) -> None:
+    """Raise LayoutError unless both sides are matching lists of 2-D uint8 tensors."""
+    if not gpu:
+        raise LayoutError("a copy engine needs at least one region, got 0 gpu regions")
+    if len(gpu) != len(cpu):
+        raise LayoutError(f"region count mismatch: {len(gpu)} gpu regions vs {len(cpu)} cpu regions")
+    for side, regions in (("gpu", gpu), ("cpu", cpu)):
+        for r, t in enumerate(regions):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 2:
+                what = f"{t.dtype} tensor of {t.dim()} dims" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise LayoutError(f"{side} region {r} must be a 2-D uint8 tensor, got {what}")
+        rows = {int(t.shape[0]) for t in regions}
+        if len(rows) != 1:
+            raise LayoutError(f"{side} regions disagree on the block count: {sorted(rows)}")
+    for r, (g, c) in enumerate(zip(gpu, cpu, strict=True)):
+        if g.shape[1] != c.shape[1]:
+            raise LayoutError(
+                f"region {r}: gpu block_bytes {int(g.shape[1])} != cpu block_bytes {int(c.shape[1])}"
+            )
