@@ -76,6 +76,7 @@ def _obj(**changes):
             obj[key] = value
     return json.dumps(obj)
 
+
 MALFORMED = {
     "invalid json": ("{not json", "invalid JSON"),
     "truncated json": ('{"timestamp": 0, "input_length": 1', "invalid JSON"),

@@ -1,41 +1,42 @@
-"""On-disk format of the disk tier: namespace, block records, journal records.
+"""On-disk format of the disk tier: record encoding, safe file primitives, and the journal.
 
-Pure encoding and decoding; no file I/O here (disk_store.py does that).
+No event loop here: DiskStore runs all of this on its executor. A namespace directory
+``root/ns-<20 hex>/`` holds:
 
-A namespace directory ``root/ns-<20 hex>/`` holds:
-
-* ``namespace.json`` -- the DiskNamespace fields plus the format version. The
-  directory name is a hash of exactly that content, so user strings (model
-  ids) never become path components, and a changed layout or format version
-  gets a fresh directory instead of misreading an old one.
-* ``blocks.dat`` -- ``num_slots`` fixed-size records; record ``i`` starts at
-  ``i * record_size``. ``record_size = align_up(128 + bytes_per_block, 4096)``
-  so every record is 4 KiB aligned (O_DIRECT works, and a record never shares
-  a page with its neighbour). A record is a 128-byte header (magic, version,
-  key, slot, payload length, seq, xxh3-64 of the payload, xxh3-64 of the
-  header itself) followed by the payload. The header travels in the same
-  ``pwritev`` as the payload, so a torn write shows up as a checksum or key
-  mismatch on read, never as data.
-* ``journal.tkv`` -- a 64-byte file header, then 64-byte records (commit:
-  slot, seq, key, payload checksum; invalidate: slot), each with its own
-  xxh3-64. Recovery keeps the last valid record per slot; torn tails and
-  garbage records fail their checksum and are skipped. The journal is only an
-  index: every read re-verifies the block header, so a stale journal entry can
-  cost a miss but never serve wrong bytes.
+* ``namespace.json`` -- the DiskNamespace fields plus the format version. The directory name is a hash
+  of exactly that content, so user strings (model ids) never become path components, and a changed
+  layout or format version gets a fresh directory instead of misreading an old one.
+* ``blocks.dat`` -- ``num_slots`` fixed-size records (sparse file); record ``i`` starts at
+  ``i * record_size``, ``record_size = align_up(128 + bytes_per_block, 4096)`` so every record is 4 KiB
+  aligned (O_DIRECT works; records never share a page). A record is a 128-byte header (magic, version,
+  key, slot, payload length, seq, xxh3-64 of the payload, xxh3-64 of the header) then the payload. The
+  header goes out in the same ``pwritev`` as the payload, so a torn write reads back as a checksum or
+  key mismatch, never as data.
+* ``journal.tkv`` -- a 64-byte file header, then 64-byte records (commit: slot, seq, key, payload
+  checksum; invalidate: slot), each with its own xxh3-64. Recovery keeps the last valid record per slot;
+  torn tails and garbage fail their checksum and are skipped. The journal is only an index: every read
+  re-verifies the block header, so a stale entry can cost a miss but never serve wrong bytes.
+* ``lock`` -- flock'ed while a DiskStore has the directory open (one owner at a time).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
+import stat
 import struct
+import threading
+from collections import deque
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import xxhash
 
-from tiered_kv.errors import ConfigError
+from tiered_kv.errors import ConfigError, DiskError
 
+NS_FILE, DATA_FILE, JOURNAL_FILE, LOCK_FILE = "namespace.json", "blocks.dat", "journal.tkv", "lock"
 FORMAT_NAME = "tiered_kv.disk"
 FORMAT_VERSION = 1
 ALIGN = 4096
@@ -210,3 +211,185 @@ def scan_journal(raw: bytes | bytearray | memoryview, key_bytes: int) -> Journal
         np.zeros((0, key_bytes), np.uint8)
     return JournalScan(header_ok, n, int(n - ok.sum()), torn, max_seq, last["slot"].astype(np.uint32),
                        last["seq"].astype(np.uint64), last["psum"].astype(np.uint64), np.ascontiguousarray(keys))
+
+
+# ---- file primitives -----------------------------------------------------------------------------
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def open_private(path: str, *, trunc: bool = False) -> int:
+    """Open (create) a regular file read-write, never through a symlink, mode 0600."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC | (os.O_TRUNC if trunc else 0), 0o600)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise DiskError(errno.EINVAL, "not a regular file", path)
+    if st.st_mode & 0o077:
+        os.fchmod(fd, 0o600)
+    return fd
+
+
+def read_small(path: str, limit: int = 1 << 20, dir_fd: int | None = None) -> bytes:
+    """Read a small regular file without following symlinks (namespace.json)."""
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC, dir_fd=dir_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            raise DiskError(errno.EINVAL, "not a small regular file", path)
+        return os.pread(fd, st.st_size, 0)
+    finally:
+        os.close(fd)
+
+
+def read_all(fd: int) -> memoryview:
+    raw = memoryview(bytearray(os.fstat(fd).st_size))
+    got = 0
+    while got < len(raw) and (n := os.preadv(fd, [raw[got:]], got)) > 0:
+        got += n
+    return raw[:got]
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def pwrite_all(fd: int, bufs: list, off: int, total: int) -> None:
+    n = os.pwritev(fd, bufs, off)
+    if n == total:
+        return
+    # Rare (a full disk, a signal): finish with plain pwrite so the real errno (ENOSPC...) surfaces.
+    rest = b"".join(bytes(b) for b in bufs)[n:]
+    while rest:
+        k = os.pwrite(fd, rest, off + n)
+        if k <= 0:
+            raise OSError(errno.EIO, "pwrite made no progress")
+        n, rest = n + k, rest[k:]
+
+
+def replace_file(dirpath: str, name: str, data: bytes, *, fsync: bool) -> int:
+    """Atomically replace dirpath/name with data (temp file + os.replace); returns the open fd."""
+    path = os.path.join(dirpath, name)
+    fd = open_private(path + ".tmp", trunc=True)
+    try:
+        pwrite_all(fd, [data], 0, len(data))
+        if fsync:
+            os.fsync(fd)
+        os.replace(path + ".tmp", path)
+    except BaseException:
+        os.close(fd)
+        try:
+            os.unlink(path + ".tmp")
+        except OSError:
+            pass
+        raise
+    if fsync:
+        fsync_dir(dirpath)
+    return fd
+
+
+# ---- the journal file ------------------------------------------------------------------------------
+class Journal:
+    """journal.tkv plus an in-memory mirror of its committed slots (key, seq, checksum).
+
+    Called only from the store's executor threads, which hold ``lock``; ``queue_invalidate`` alone is
+    lock-free (a deque append) so the event loop never waits. Records are written with pwrite at our own
+    offset, not O_APPEND: a failed append is cut off and overwritten by the next, so records stay aligned
+    even after ENOSPC. Compaction rewrites the journal from the mirror (temp file + os.replace).
+    """
+
+    def __init__(self, dirpath: str, key_bytes: int, num_slots: int, *, fsync: bool, compact_slack: int):
+        self.dir, self.kb, self.fsync, self.compact_slack = dirpath, key_bytes, fsync, compact_slack
+        self.lock = threading.Lock()
+        self.fd = -1
+        self.size = self.records = self.nlive = self.max_seq = 0
+        self.pending: deque[int] = deque()
+        self.live = np.zeros(num_slots, bool)
+        self.keys = np.zeros((num_slots, key_bytes), np.uint8)
+        self.seqs = np.zeros(num_slots, np.uint64)
+        self.psums = np.zeros(num_slots, np.uint64)
+
+    def load(self) -> tuple[list[bytes], list[int], list[int]]:
+        """Recover (keys, slots, seqs) of committed slots < num_slots, oldest first; compact when untidy."""
+        try:
+            os.unlink(os.path.join(self.dir, JOURNAL_FILE + ".tmp"))  # a compaction killed midway
+        except FileNotFoundError:
+            pass
+        self.fd = open_private(os.path.join(self.dir, JOURNAL_FILE))
+        raw = read_all(self.fd)
+        scan = scan_journal(raw, self.kb)
+        keep = scan.slots < len(self.live)
+        slots, seqs, keys = scan.slots[keep], scan.seqs[keep], scan.keys[keep]
+        self.live[slots] = True
+        self.keys[slots], self.seqs[slots], self.psums[slots] = keys, seqs, scan.psums[keep]
+        self.nlive, self.max_seq, self.size, self.records = len(slots), scan.max_seq, len(raw), scan.records
+        if not scan.header_ok or scan.bad or scan.torn_bytes or not keep.all() or self._too_big():
+            self._compact()
+        kbytes, kb = keys.tobytes(), self.kb
+        return [kbytes[i : i + kb] for i in range(0, len(kbytes), kb)], slots.tolist(), seqs.tolist()
+
+    def queue_invalidate(self, slot: int) -> None:
+        self.pending.append(slot)
+
+    def before_write(self, slot: int | None, seq: int) -> None:
+        """Journal queued invalidations and, if committed, ``slot``'s own, before its bytes change."""
+        with self.lock:
+            slots = [self.pending.popleft() for _ in range(len(self.pending))]
+            if slot is not None:
+                slots.append(slot)
+            slots = [s for s in dict.fromkeys(slots) if self.live[s]]  # only commits need a record
+            if not slots:
+                return
+            try:
+                self._append(b"".join(jrecord(JINVALIDATE, s, seq) for s in slots))
+            except OSError:
+                self.pending.extend(slots)  # retried at the next journal write
+                raise
+            self.live[slots] = False
+            self.nlive -= len(slots)
+
+    def commit(self, slot: int, seq: int, key: bytes, psum: int) -> None:
+        with self.lock:
+            self._append(jrecord(JCOMMIT, slot, seq, key, psum))
+            self.live[slot], self.seqs[slot], self.psums[slot] = True, seq, psum
+            self.keys[slot] = np.frombuffer(key, np.uint8)
+            self.nlive += 1
+            if self._too_big():
+                self._compact()
+
+    def close(self) -> None:
+        with self.lock:
+            fd, self.fd = self.fd, -1
+            if fd >= 0:
+                os.close(fd)
+
+    def _too_big(self) -> bool:
+        return self.records > 2 * self.nlive + self.compact_slack
+
+    def _append(self, data: bytes) -> None:
+        try:
+            pwrite_all(self.fd, [data], self.size, len(data))
+            if self.fsync:
+                os.fdatasync(self.fd)
+        except OSError:
+            try:
+                os.ftruncate(self.fd, self.size)
+            except OSError:
+                pass
+            raise
+        self.size += len(data)
+        self.records += len(data) // JREC_SIZE
+
+    def _compact(self) -> None:
+        live = np.flatnonzero(self.live)
+        live = live[np.argsort(self.seqs[live], kind="stable")]
+        blob = encode_journal(self.kb, live, self.seqs[live], self.psums[live], self.keys[live])
+        fd = replace_file(self.dir, JOURNAL_FILE, blob, fsync=self.fsync)
+        old, self.fd = self.fd, fd
+        if old >= 0:
+            os.close(old)
+        self.size, self.records = len(blob), len(live)

@@ -176,7 +176,9 @@ def validate_regions(gpu: Sequence[torch.Tensor], cpu: Sequence[torch.Tensor]) -
     for side, regions in (("gpu", gpu), ("cpu", cpu)):
         for r, t in enumerate(regions):
             if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 2:
-                what = f"{t.dtype} tensor of {t.dim()} dims" if isinstance(t, torch.Tensor) else type(t).__name__
+                what = (
+                    f"{t.dtype} tensor of {t.dim()} dims" if isinstance(t, torch.Tensor) else type(t).__name__
+                )
                 raise LayoutError(f"{side} region {r} must be a 2-D uint8 tensor, got {what}")
         rows = {int(t.shape[0]) for t in regions}
         if len(rows) != 1:

@@ -49,7 +49,9 @@ class CUDAStreamEngine(CopyEngine):
         self._device = self._gpu[0].device
         for r, t in enumerate(self._gpu):
             if t.device.type != "cuda" or t.device != self._device:
-                raise LayoutError(f"gpu region {r} is on {t.device}; all gpu regions must share one CUDA device")
+                raise LayoutError(
+                    f"gpu region {r} is on {t.device}; all gpu regions must share one CUDA device"
+                )
         for r, t in enumerate(self._cpu):
             if t.device.type != "cpu":
                 raise LayoutError(f"cpu region {r} is on {t.device}, expected cpu")
@@ -63,7 +65,9 @@ class CUDAStreamEngine(CopyEngine):
         self._staging_bytes = max(int(staging_bytes), max(self.block_bytes))
         least_priority, _greatest = torch.cuda.Stream.priority_range()
         with torch.cuda.device(self._device):
-            self._streams = {d: torch.cuda.Stream(device=self._device, priority=least_priority) for d in Direction}
+            self._streams = {
+                d: torch.cuda.Stream(device=self._device, priority=least_priority) for d in Direction
+            }
         self._staging: dict[Direction, torch.Tensor | None] = dict.fromkeys(Direction)
         self._bridges = {d: EventBridge(f"tiered-kv-{d.value}-waiter") for d in Direction}
 
@@ -93,7 +97,9 @@ class CUDAStreamEngine(CopyEngine):
                 except Exception as exc:
                     # Part of the batch may be queued already: report the failure
                     # only after `done`, when none of it can still be running.
-                    error = TransferError(f"{direction.value} of {len(src)} blocks failed to enqueue: {exc!r}")
+                    error = TransferError(
+                        f"{direction.value} of {len(src)} blocks failed to enqueue: {exc!r}"
+                    )
                     error.__cause__ = exc
                 done.record(stream)
         handle.event = done
@@ -112,7 +118,9 @@ class CUDAStreamEngine(CopyEngine):
         idx = self._device_index(st_gpu, keep)
         for g, c in zip(self._gpu, self._cpu, strict=True):
             for run in direct:
-                c[run.dst[0] : run.dst[0] + len(run.dst)].copy_(g[run.src[0] : run.src[0] + len(run.src)], non_blocking=True)
+                c[run.dst[0] : run.dst[0] + len(run.dst)].copy_(
+                    g[run.src[0] : run.src[0] + len(run.src)], non_blocking=True
+                )
             for off, n, stage in self._chunks(Direction.STORE, len(st_gpu), int(g.shape[1])):
                 gw, sw = widen_pair(g, stage)
                 torch.index_select(gw, 0, idx[off : off + n], out=sw)
@@ -125,7 +133,9 @@ class CUDAStreamEngine(CopyEngine):
         idx = self._device_index(st_gpu, keep)
         for g, c in zip(self._gpu, self._cpu, strict=True):
             for run in direct:
-                g[run.dst[0] : run.dst[0] + len(run.dst)].copy_(c[run.src[0] : run.src[0] + len(run.src)], non_blocking=True)
+                g[run.dst[0] : run.dst[0] + len(run.dst)].copy_(
+                    c[run.src[0] : run.src[0] + len(run.src)], non_blocking=True
+                )
             for off, n, stage in self._chunks(Direction.LOAD, len(st_cpu), int(g.shape[1])):
                 for o, first, length in spans(st_cpu[off : off + n]):
                     stage[o : o + length].copy_(c[first : first + length], non_blocking=True)
@@ -148,9 +158,9 @@ class CUDAStreamEngine(CopyEngine):
         if buf is None or buf.numel() < nbytes:
             # Allocated while the copy stream is current, so the caching allocator
             # ties it (and the memory of any buffer it replaces) to this stream.
-            buf = torch.empty(min(self._staging_bytes, max(nbytes, 2 * (0 if buf is None else buf.numel()))),
-                              dtype=torch.uint8, device=self._device)  # fmt: skip
-            buf = buf if buf.numel() >= nbytes else torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+            # nbytes <= staging_bytes always (see _chunks); doubling bounds the regrowths.
+            size = min(self._staging_bytes, max(nbytes, 2 * (0 if buf is None else buf.numel())))
+            buf = torch.empty(size, dtype=torch.uint8, device=self._device)
             self._staging[direction] = buf
         return buf[:nbytes]
 
@@ -176,7 +186,7 @@ def _split_runs(runs: list[Run], *, staged_side: str) -> tuple[list[Run], list[i
     st_src: list[int] = []
     st_dst: list[int] = []
     for run in runs:
-        if (run.src_contiguous if staged_side == "src" else run.dst_contiguous):
+        if run.src_contiguous if staged_side == "src" else run.dst_contiguous:
             direct.append(run)
         else:
             st_src.extend(run.src)

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from tiered_kv.errors import TransferError
+from tiered_kv.errors import LayoutError, TransferError
 from tiered_kv.transfer.base import CopyEngine, CopyHandle, Direction
 from tiered_kv.transfer.plan import CopyPlan, build_plan
 
@@ -27,6 +27,12 @@ class HostCopyEngine(CopyEngine):
 
     def __init__(self, gpu_regions: Sequence[torch.Tensor], cpu_regions: Sequence[torch.Tensor]) -> None:
         super().__init__(gpu_regions, cpu_regions)
+        for side, regions in (("gpu", self._gpu), ("cpu", self._cpu)):
+            for r, t in enumerate(regions):
+                if t.device.type != "cpu":
+                    raise LayoutError(
+                        f"HostCopyEngine needs CPU tensors but {side} region {r} is on {t.device} (use the cuda engine)"
+                    )
         self._executors = {
             d: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tiered-kv-{d.value}") for d in Direction
         }
@@ -40,7 +46,9 @@ class HostCopyEngine(CopyEngine):
             src_regions, dst_regions = self._gpu, self._cpu
         else:
             src_regions, dst_regions = self._cpu, self._gpu
-        self._executors[direction].submit(_run_job, plan, src_regions, dst_regions, handle, loop, self._resolve)
+        self._executors[direction].submit(
+            _run_job, plan, src_regions, dst_regions, handle, loop, self._resolve
+        )
 
     def _release(self) -> None:
         # Every job has finished (aclose drained them), so the idle workers exit
@@ -67,4 +75,6 @@ def _run_job(
     try:
         loop.call_soon_threadsafe(resolve, handle.future, error)
     except RuntimeError:  # the loop closed under us: nobody is left to tell but the log
-        log.error("event loop closed before a %s batch could be reported (error=%r)", handle.direction.value, error)
+        log.error(
+            "event loop closed before a %s batch could be reported (error=%r)", handle.direction.value, error
+        )

@@ -1,0 +1,340 @@
+"""DiskStore: block bytes at integer slots of one preallocated file; crash-consistent, verified, persistent.
+
+The cache owns the key -> slot index and eviction; this class only stores bytes and verifies them. Format:
+see disk_format.py. Write protocol, per block:
+
+ 1. if the journal holds a commit for the slot, append an invalidate record (together with any queued
+    ``invalidate()`` calls), so a crash from here on never offers the slot's old key;
+ 2. ONE ``pwritev([header, *parts])`` at ``slot * record_size`` (zero copy from the caller's rows; with
+    O_DIRECT the parts are copied into a page-aligned bounce buffer instead);
+ 3. append the commit record (seq, slot, key, xxh3 of the payload).
+
+A kill -9 between any two steps leaves the slot uncommitted in the journal, and a torn record fails its
+header/key/payload checks on read, so a reader gets the old block, nothing, or the new block. Every read
+re-verifies header, key, slot, length and payload checksum; bad data is a miss (False), never an exception.
+
+Threads: the journal (disk_format.Journal) is touched only by executor threads holding its lock; the event
+loop only queues invalidations and counts stats, so it never waits on that lock. A cancelled ``read``/``write`` still waits for its executor job before
+re-raising: a cancelled await does not stop a pwritev/preadv into the caller's buffers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import aiofiles.os
+import xxhash
+
+from tiered_kv.errors import ConfigError, DiskError, LayoutError
+from tiered_kv.tiers.disk_admin import prepare_namespace_dir
+from tiered_kv.tiers.disk_format import (
+    ALIGN,
+    DATA_FILE,
+    HEADER_SIZE,
+    DiskNamespace,
+    Journal,
+    check_header,
+    encode_header,
+    open_private,
+    pwrite_all,
+)
+
+__all__ = ["DiskNamespace", "DiskStore", "RecoveredBlock"]
+
+log = logging.getLogger("tiered_kv.disk")
+
+
+class RecoveredBlock(NamedTuple):
+    """A block committed by an earlier run (a NamedTuple: recovery builds ~1e5 of them per second)."""
+
+    key: bytes
+    slot: int
+    seq: int
+
+
+class DiskStore:
+    """Slot-addressed block store for the disk tier (see the module docstring for the protocol)."""
+
+    compact_slack = 65536  # stale journal records tolerated beyond 2x the live set before compacting
+
+    def __init__(self, root: str | os.PathLike, namespace: DiskNamespace, num_slots: int,
+                 part_sizes: Sequence[int], *, o_direct: bool = False, allow_symlink: bool = False,
+                 io_threads: int = 4, fsync: bool = False) -> None:
+        sizes = [int(s) for s in part_sizes]
+        if not sizes or min(sizes) <= 0 or sum(sizes) != namespace.bytes_per_block:
+            raise LayoutError(f"part_sizes {sizes} (sum {sum(sizes)}) must be positive and sum to "
+                              f"bytes_per_block {namespace.bytes_per_block}")
+        if not isinstance(num_slots, int) or not 0 < num_slots < 2**32:
+            raise ConfigError(f"disk num_slots must be in [1, 2**32), got {num_slots!r}")
+        if io_threads < 1:
+            raise ConfigError(f"disk io_threads must be >= 1, got {io_threads}")
+        self.root = os.fspath(root)
+        self.namespace = namespace
+        self.path = os.path.join(self.root, namespace.dirname())
+        self.num_slots, self.part_sizes = num_slots, tuple(sizes)
+        self.record_size = namespace.record_size
+        self._bpb = namespace.bytes_per_block
+        self._want_direct, self._allow_symlink, self._fsync = o_direct, allow_symlink, fsync
+        self._io_threads = io_threads
+        self.o_direct_active = False
+        self.o_direct_reason = "not requested"
+        self.corrupt_blocks = self.bytes_written = self.bytes_read = self.writes = self.reads = 0
+        self.write_errors = 0
+        self.recovered: list[RecoveredBlock] = []
+        self._executor: ThreadPoolExecutor | None = None
+        self._journal = Journal(self.path, namespace.key_bytes, num_slots, fsync=fsync, compact_slack=0)
+        self._closed = False
+        self._dfd = self._lockfd = -1
+        self._seq = 0
+        self._writing: set[int] = set()
+        self._tls = threading.local()  # per-thread O_DIRECT bounce buffers
+        self._aio_open, self._aio_write = aiofiles.os.wrap(self._open_sync), aiofiles.os.wrap(self._write_sync)
+        self._aio_read, self._aio_flush = aiofiles.os.wrap(self._read_sync), aiofiles.os.wrap(self._flush_sync)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    async def open(self) -> list[RecoveredBlock]:
+        """Create or reopen the namespace dir; return committed blocks, oldest -> newest by seq."""
+        if self._executor is not None or self._closed:
+            raise DiskError(errno.EINVAL, "DiskStore.open() may be called once", self.path)
+        self._executor = ThreadPoolExecutor(self._io_threads, thread_name_prefix="tkv-disk")
+        try:
+            self.recovered = await self._run_to_end(self._aio_open)
+        except BaseException as e:
+            await self.aclose()
+            if isinstance(e, OSError) and not isinstance(e, DiskError):
+                raise DiskError(e.errno, f"cannot open disk tier: {e.strerror}", e.filename or self.path) from e
+            raise
+        return self.recovered
+
+    async def __aenter__(self) -> DiskStore:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Flush queued invalidations, wait for in-flight jobs, close files. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._executor is None:
+            return
+        try:
+            if self._journal.fd >= 0:
+                await self._run_to_end(self._aio_flush)
+        except OSError as e:
+            log.warning("disk tier: final journal flush failed in %s: %s", self.path, e)
+        finally:
+            # shutdown(wait=True) joins the pool's threads, so it cannot run inside the pool itself.
+            await asyncio.to_thread(self._shutdown_sync)
+
+    def _shutdown_sync(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        self._journal.close()
+        fds, self._dfd, self._lockfd = (self._dfd, self._lockfd), -1, -1
+        for fd in fds:  # the lock fd last: closing it releases the flock
+            if fd >= 0:
+                os.close(fd)
+
+    # ---- public I/O ------------------------------------------------------------------------------
+    async def write(self, slot: int, key: bytes, parts: Sequence[Any]) -> None:
+        """Store ``parts`` (one buffer per layout region) as the block ``key`` at ``slot``.
+
+        Raises DiskError (with errno: ENOSPC, EIO, ...) on failure; the slot is then uncommitted, other
+        slots are untouched. Writes to different slots may run concurrently; to the same slot, not.
+        """
+        self._check(slot, key)
+        views = self._views(parts, writable=False)
+        if slot in self._writing:
+            raise DiskError(errno.EBUSY, f"slot {slot} already has a write in flight", self.path)
+        self._seq += 1
+        self._writing.add(slot)
+        try:
+            await self._run_to_end(self._aio_write, slot, key, self._seq, views)
+        except OSError as e:
+            self.write_errors += 1
+            log.warning("disk tier: write of slot %d failed in %s: %s", slot, self.path, e)
+            if isinstance(e, DiskError):
+                raise
+            raise DiskError(e.errno, f"disk tier write of slot {slot} failed: {e.strerror}", self.path) from e
+        finally:
+            self._writing.discard(slot)
+        self.writes += 1
+        self.bytes_written += self._bpb
+
+    async def read(self, slot: int, key: bytes, parts: Sequence[Any]) -> bool:
+        """Read the block ``key`` at ``slot`` into ``parts``; False (parts undefined) if it does not verify."""
+        self._check(slot, key)
+        views = self._views(parts, writable=True)
+        try:
+            why = await self._run_to_end(self._aio_read, slot, key, views)
+        except OSError as e:
+            raise DiskError(e.errno, f"disk tier read of slot {slot} failed: {e.strerror}", self.path) from e
+        self.reads += 1
+        if why:
+            self.corrupt_blocks += 1
+            log.warning("disk tier: slot %d in %s failed verification (%s); served as a miss", slot, self.path, why)
+            return False
+        self.bytes_read += self._bpb
+        return True
+
+    def invalidate(self, slot: int) -> None:
+        """Forget ``slot`` for recovery. Synchronous and non-blocking (safe in the cache's bookkeeping).
+
+        The invalidate record is queued; it reaches the journal before the next write of any slot, at
+        ``flush()`` or at ``aclose()``. A crash before that may recover the slot's old block, which is still
+        intact and verified on read (its bytes are only overwritten after the record is journaled).
+        """
+        self._check(slot, None)
+        self._journal.queue_invalidate(slot)
+
+    async def flush(self) -> None:
+        """Journal queued invalidations now (and fdatasync the journal when fsync=True)."""
+        self._check(0, None)
+        await self._run_to_end(self._aio_flush)
+
+    def stats(self) -> dict[str, int]:
+        return {"corrupt_blocks": self.corrupt_blocks, "bytes_written": self.bytes_written,
+                "bytes_read": self.bytes_read, "writes": self.writes, "reads": self.reads,
+                "write_errors": self.write_errors}
+
+    # ---- helpers on the loop -----------------------------------------------------------------------
+    def _check(self, slot: int, key: bytes | None) -> None:
+        if self._closed or self._executor is None or self._dfd < 0:
+            raise DiskError(errno.EBADF, "disk store is not open", self.path)
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"disk slot {slot} out of range [0, {self.num_slots})")
+        if key is not None and len(key) != self.namespace.key_bytes:
+            raise ValueError(f"key has {len(key)} bytes, namespace says {self.namespace.key_bytes}")
+
+    def _views(self, parts: Sequence[Any], *, writable: bool) -> list[memoryview]:
+        if len(parts) != len(self.part_sizes):
+            raise LayoutError(f"got {len(parts)} parts, layout has {len(self.part_sizes)} {list(self.part_sizes)}")
+        out = []
+        for i, (p, size) in enumerate(zip(parts, self.part_sizes, strict=True)):
+            try:
+                mv = memoryview(p).cast("B")
+            except TypeError as e:
+                raise LayoutError(f"part {i} is not a contiguous buffer: {e}") from e
+            if mv.nbytes != size:
+                raise LayoutError(f"part {i} has {mv.nbytes} bytes, layout says {size}")
+            if writable and mv.readonly:
+                raise LayoutError(f"part {i} is read-only; read() needs writable buffers")
+            out.append(mv)
+        return out
+
+    async def _run_to_end(self, afn: Any, *args: Any) -> Any:
+        """Run a job on our executor; if the caller is cancelled, wait for the job before re-raising."""
+        fut = asyncio.ensure_future(afn(*args, executor=self._executor))
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            while not fut.done():
+                try:
+                    await asyncio.wait({fut})
+                except asyncio.CancelledError:
+                    continue
+            if not fut.cancelled():
+                fut.exception()  # consumed: the caller asked to cancel and gets CancelledError
+            raise
+
+    # ---- executor jobs -----------------------------------------------------------------------------
+    def _open_sync(self) -> list[RecoveredBlock]:
+        self._lockfd = prepare_namespace_dir(self.root, self.namespace, allow_symlink=self._allow_symlink)
+        self._dfd = open_private(os.path.join(self.path, DATA_FILE))
+        self._journal.compact_slack = self.compact_slack
+        keys, slots, seqs = self._journal.load()  # drops (and compacts away) slots >= num_slots
+        self._seq = self._journal.max_seq
+        if os.fstat(self._dfd).st_size != self.num_slots * self.record_size:
+            os.ftruncate(self._dfd, self.num_slots * self.record_size)  # sparse; a smaller num_slots cuts the tail
+        self._setup_direct()
+        log.info("disk tier %s: %d blocks recovered, %d slots of %d bytes, O_DIRECT %s", self.path,
+                 len(slots), self.num_slots, self.record_size, self.o_direct_active)
+        return list(map(RecoveredBlock._make, zip(keys, slots, seqs, strict=True)))
+
+    def _setup_direct(self) -> None:
+        if not self._want_direct:
+            return
+        reason = "O_DIRECT is not available on this platform"
+        if hasattr(os, "O_DIRECT"):
+            try:
+                fd = self._open_direct(os.path.join(self.path, DATA_FILE))
+                try:
+                    if (n := os.preadv(fd, [mmap.mmap(-1, ALIGN)], 0)) != ALIGN:
+                        raise OSError(errno.EINVAL, f"aligned probe read returned {n} bytes")
+                except OSError:
+                    os.close(fd)
+                    raise
+                os.close(self._dfd)
+                self._dfd, self.o_direct_active, self.o_direct_reason = fd, True, ""
+                return
+            except OSError as e:
+                reason = f"O_DIRECT probe failed on {self.path}: {e}"
+        self.o_direct_reason = reason
+        log.warning("disk tier: O_DIRECT requested but unusable, falling back to buffered I/O: %s", reason)
+
+    def _open_direct(self, path: str) -> int:
+        return os.open(path, os.O_RDWR | os.O_DIRECT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+
+    def _bounce(self) -> memoryview:
+        buf = getattr(self._tls, "buf", None)
+        if buf is None:
+            buf = self._tls.buf = memoryview(mmap.mmap(-1, self.record_size))  # page aligned
+        return buf
+
+    def _write_sync(self, slot: int, key: bytes, seq: int, views: list[memoryview]) -> None:
+        x = xxhash.xxh3_64()
+        for v in views:
+            x.update(v)
+        psum = x.intdigest()
+        header = encode_header(slot, key, self._bpb, seq, psum)
+        journal = self._journal
+        journal.before_write(slot, seq)  # the old block stops being offered before its bytes change
+        off = slot * self.record_size
+        if self.o_direct_active:
+            buf, pos = self._bounce(), HEADER_SIZE
+            buf[:HEADER_SIZE] = header
+            for v in views:
+                buf[pos : pos + len(v)] = v
+                pos += len(v)
+            pwrite_all(self._dfd, [buf], off, self.record_size)
+        else:
+            pwrite_all(self._dfd, [header, *views], off, HEADER_SIZE + self._bpb)
+        if self._fsync:
+            os.fdatasync(self._dfd)
+        journal.commit(slot, seq, key, psum)
+
+    def _read_sync(self, slot: int, key: bytes, views: list[memoryview]) -> str:
+        off, want = slot * self.record_size, HEADER_SIZE + self._bpb
+        if self.o_direct_active:
+            buf = self._bounce()
+            if (n := os.preadv(self._dfd, [buf], off)) < want:
+                return f"short read ({n} of {want} bytes)"
+            hdr, pos = buf[:HEADER_SIZE], HEADER_SIZE
+            for v in views:
+                v[:] = buf[pos : pos + len(v)]
+                pos += len(v)
+        else:
+            hdr = bytearray(HEADER_SIZE)
+            if (n := os.preadv(self._dfd, [hdr, *views], off)) != want:
+                return f"short read ({n} of {want} bytes)"
+        psum, why = check_header(hdr, slot, key, self._bpb)
+        if why:
+            return why
+        x = xxhash.xxh3_64()
+        for v in views:
+            x.update(v)
+        return "" if x.intdigest() == psum else "payload checksum mismatch"
+
+    def _flush_sync(self) -> None:
+        self._journal.before_write(None, self._seq)

@@ -1,0 +1,46 @@
+"""Transfer engines: copy whole KV blocks between GPU blocks and CPU slots.
+
+``make_engine("auto", gpu_regions, cpu_regions)`` picks the CUDA stream engine
+when the GPU regions live on CUDA, else the host (CPU thread) engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tiered_kv.errors import ConfigError
+from tiered_kv.transfer.base import CopyEngine, CopyHandle, Direction, validate_regions
+from tiered_kv.transfer.cuda import CUDAStreamEngine
+from tiered_kv.transfer.host import HostCopyEngine
+from tiered_kv.transfer.plan import CopyPlan, plan_copy
+
+ENGINE_KINDS = ("auto", "host", "cuda")
+
+__all__ = [
+    "ENGINE_KINDS",
+    "CUDAStreamEngine",
+    "CopyEngine",
+    "CopyHandle",
+    "CopyPlan",
+    "Direction",
+    "HostCopyEngine",
+    "make_engine",
+    "plan_copy",
+    "validate_regions",
+]
+
+
+def make_engine(
+    kind: str, gpu_regions: Sequence[torch.Tensor], cpu_regions: Sequence[torch.Tensor]
+) -> CopyEngine:
+    """Build the copy engine named by ``kind`` ("auto" | "host" | "cuda")."""
+    if kind == "auto":
+        on_cuda = bool(gpu_regions) and gpu_regions[0].device.type == "cuda"
+        kind = "cuda" if on_cuda else "host"
+    if kind == "host":
+        return HostCopyEngine(gpu_regions, cpu_regions)
+    if kind == "cuda":
+        return CUDAStreamEngine(gpu_regions, cpu_regions)
+    raise ConfigError(f"transfer engine kind must be one of {', '.join(ENGINE_KINDS)}; got {kind!r}")
