@@ -209,6 +209,8 @@ def build_plan(src: list[int], dst: list[int], *, bytes_per_block: int = 0, regi
         + (singles * bytes_per_block if singles > 1 else 0),
         "gather_scatter": 2 * call + 2 * nbytes,
     }
+    if long_runs == 0:  # nothing to slice: hybrid would just be the gather + scatter
+        del costs["hybrid"]
     # min() keeps the first of equal costs: runs before the double-copy fallbacks.
     name = min(costs, key=costs.__getitem__)
     if name == "dst_runs":
