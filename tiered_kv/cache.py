@@ -55,6 +55,7 @@ class TieredKVCache:
             cfg.keys.hash,
         )
         self.cpu = TierIndex("cpu", layout.slots_for(cfg.tiers.cpu.capacity), cfg.eviction.policy)
+        self.metrics.track_used_slots("cpu", lambda: self.cpu.used)
         self.disk: DiskTier | None = None
         if cfg.tiers.disk.enabled:
             ns = DiskNamespace(
@@ -137,8 +138,8 @@ class TieredKVCache:
                 break
         m = self.metrics
         m.lookups.inc(len(keys))
-        m.hits.labels("cpu").inc(n_cpu)
-        m.hits.labels("disk").inc(n_disk)
+        m.hit["cpu"].inc(n_cpu)
+        m.hit["disk"].inc(n_disk)
         return LookupResult(n_cpu + n_disk, n_cpu, n_disk, in_flight)
 
     def touch(self, keys: Sequence[bytes]) -> None:
@@ -200,7 +201,7 @@ class TieredKVCache:
         except asyncio.CancelledError:
             op.cancelled = True
             raise
-        self.metrics.latency.labels(op_name).observe(loop.time() - t0)
+        self.metrics.op_latency[op_name].observe(loop.time() - t0)
         return result
 
     def spawn(self, coro: Awaitable[T]) -> asyncio.Task[T]:
@@ -221,8 +222,7 @@ class TieredKVCache:
         if self.cpu.unpin(slot) == 0 and slot in self._leaving:
             self._leaving.discard(slot)
             self.cpu.drop(slot)
-            self.metrics.evictions.labels("cpu").inc()
-        self._sync_cpu_gauge()
+            self.metrics.evicted["cpu"].inc()
 
     def _needs_spill(self, key: bytes) -> bool:
         return self.disk is not None and self.disk.writable and not self.disk.holds(key)
@@ -240,8 +240,7 @@ class TieredKVCache:
                 spills.append(self.spawn(self.spill(slot, key)))
             else:
                 self.cpu.drop(slot)
-                self.metrics.evictions.labels("cpu").inc()
-        self._sync_cpu_gauge()
+                self.metrics.evicted["cpu"].inc()
         if spills:
             await asyncio.wait(spills)
 
@@ -251,9 +250,6 @@ class TieredKVCache:
             await self.disk.write_block(key, self.slabs.block_parts(slot))
         finally:
             self.unpin_cpu(slot)
-
-    def _sync_cpu_gauge(self) -> None:
-        self.metrics.used_slots.labels("cpu").set(self.cpu.used)
 
     def check_invariants(self) -> None:
         """Every slot accounted for (tests call this after stress)."""

@@ -33,21 +33,26 @@ class CacheMetrics:
         self.latency = Histogram(
             "tiered_kv_op_seconds", "load/store latency", ["op"], buckets=_LATENCY_BUCKETS, registry=r
         )
-        for tier in TIERS:  # pre-create label children so every series is exported from the start
-            self.hits.labels(tier)
-            self.evictions.labels(tier)
-            self.corrupt.labels(tier)
-            self.degraded.labels(tier)
-            self.used_slots.labels(tier)
-        for direction in DIRECTIONS:
-            self.bytes.labels(direction)
-            self.blocks.labels(direction)
-            self.seconds.labels(direction)
+        # Label children resolved once: .labels() costs more than the increment on the hot path,
+        # and creating them up front exports every series from the start.
+        self.hit = {t: self.hits.labels(t) for t in TIERS}
+        self.evicted = {t: self.evictions.labels(t) for t in TIERS}
+        self.corrupted = {t: self.corrupt.labels(t) for t in TIERS}
+        self.degrade = {t: self.degraded.labels(t) for t in TIERS}
+        self._moved = {
+            d: (self.blocks.labels(d), self.bytes.labels(d), self.seconds.labels(d)) for d in DIRECTIONS
+        }
+        self.op_latency = {op: self.latency.labels(op) for op in ("load", "store")}
+
+    def track_used_slots(self, tier: str, used) -> None:
+        """Read the slot count at scrape time instead of updating a gauge on every move."""
+        self.used_slots.labels(tier).set_function(used)
 
     def moved(self, direction: str, nblocks: int, nbytes: int, seconds: float) -> None:
-        self.blocks.labels(direction).inc(nblocks)
-        self.bytes.labels(direction).inc(nbytes)
-        self.seconds.labels(direction).inc(seconds)
+        blocks, nbytes_c, secs = self._moved[direction]
+        blocks.inc(nblocks)
+        nbytes_c.inc(nbytes)
+        secs.inc(seconds)
 
     def snapshot(self) -> dict[str, float]:
         """Flat ``name{label}`` -> value, read from the registry (for stats() and reports)."""

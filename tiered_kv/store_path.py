@@ -78,7 +78,6 @@ async def store_body(cache: TieredKVCache, op: _Op, keys: Sequence[bytes], gpu_i
         return StoreResult(len(slots), deduped, in_flight, len(todo) - len(slots))
     finally:
         cache._budget.release(budget)
-        cache._sync_cpu_gauge()
         if len(reserved) < len(todo):
             cache.metrics.skipped.inc(len(todo) - len(reserved))
 

@@ -3,10 +3,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from cache_helpers import cache_for, config, fill, holds, make_kv
 
 import tiered_kv as tkv
-
-from cache_helpers import cache_for, config, fill, holds, make_kv
 
 
 def keys_for(cache, ids):

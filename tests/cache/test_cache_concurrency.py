@@ -7,7 +7,6 @@ import random
 
 import pytest
 import torch
-
 from cache_helpers import block_bytes, cache_for, config, fill, holds, make_kv
 
 

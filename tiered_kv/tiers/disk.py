@@ -47,12 +47,12 @@ class DiskTier:
         self.metrics = metrics
         self.degraded: str | None = None  # the reason, once writes are disabled
         self._write_slots = asyncio.Semaphore(cfg.max_concurrent_spills)
+        metrics.track_used_slots("disk", lambda: self.index.used)
 
     async def open(self) -> int:
         """Open the store and rebuild the index from what it recovered; returns the block count."""
         recovered = await self.store.open()
         self.index.restore([(b.key, b.slot) for b in recovered])
-        self._sync_gauge()
         return len(recovered)
 
     @property
@@ -79,11 +79,10 @@ class DiskTier:
             if not victims:
                 return False
             self._drop(victims[0])
-            self.metrics.evictions.labels("disk").inc()
+            self.metrics.evicted["disk"].inc()
             slot = idx.reserve(key)
             if slot is None:  # pragma: no cover - evict freed one
                 return False
-        self._sync_gauge()
         try:
             async with self._write_slots:
                 loop = asyncio.get_running_loop()
@@ -97,8 +96,6 @@ class DiskTier:
         except BaseException:
             idx.abort(slot)
             raise
-        finally:
-            self._sync_gauge()
         idx.commit(slot)
         self.metrics.spills.inc()
         return True
@@ -115,7 +112,7 @@ class DiskTier:
         if ok:
             self.metrics.moved("disk_to_cpu", 1, self.bytes_per_block, loop.time() - t0)
         else:
-            self.metrics.corrupt.labels("disk").inc()
+            self.metrics.corrupted["disk"].inc()
         return ok
 
     def drop_if_unpinned(self, slot: int) -> None:
@@ -127,16 +124,12 @@ class DiskTier:
     def _drop(self, slot: int) -> None:
         self.index.drop(slot)
         self.store.invalidate(slot)
-        self._sync_gauge()
 
     def _degrade(self, exc: DiskError) -> None:
         if self.degraded is None:
             self.degraded = str(exc)
-            self.metrics.degraded.labels("disk").inc()
+            self.metrics.degrade["disk"].inc()
             log.error("disk tier degraded, no more writes (serving from CPU and existing disk blocks): %s", exc)
-
-    def _sync_gauge(self) -> None:
-        self.metrics.used_slots.labels("disk").set(self.index.used)
 
     async def aclose(self) -> None:
         await self.store.aclose()

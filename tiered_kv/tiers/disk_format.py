@@ -1,4 +1,4 @@
-"""On-disk format of the disk tier: record encoding, safe file primitives, and the journal.
+"""On-disk format of the disk tier: record encoding, safe file primitives, block record I/O.
 
 No event loop here: DiskStore runs all of this on its executor. A namespace directory
 ``root/ns-<20 hex>/`` holds:
@@ -24,11 +24,11 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import mmap
 import os
 import stat
 import struct
-import threading
-from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -292,104 +292,58 @@ def replace_file(dirpath: str, name: str, data: bytes, *, fsync: bool) -> int:
     return fd
 
 
-# ---- the journal file ------------------------------------------------------------------------------
-class Journal:
-    """journal.tkv plus an in-memory mirror of its committed slots (key, seq, checksum).
+# ---- block records in the data file ------------------------------------------------------------
+def payload_xxh(views: list[memoryview]) -> int:
+    x = xxhash.xxh3_64()
+    for v in views:
+        x.update(v)
+    return x.intdigest()
 
-    Called only from the store's executor threads, which hold ``lock``; ``queue_invalidate`` alone is
-    lock-free (a deque append) so the event loop never waits. Records are written with pwrite at our own
-    offset, not O_APPEND: a failed append is cut off and overwritten by the next, so records stay aligned
-    even after ENOSPC. Compaction rewrites the journal from the mirror (temp file + os.replace).
-    """
 
-    def __init__(self, dirpath: str, key_bytes: int, num_slots: int, *, fsync: bool, compact_slack: int):
-        self.dir, self.kb, self.fsync, self.compact_slack = dirpath, key_bytes, fsync, compact_slack
-        self.lock = threading.Lock()
-        self.fd = -1
-        self.size = self.records = self.nlive = self.max_seq = 0
-        self.pending: deque[int] = deque()
-        self.live = np.zeros(num_slots, bool)
-        self.keys = np.zeros((num_slots, key_bytes), np.uint8)
-        self.seqs = np.zeros(num_slots, np.uint64)
-        self.psums = np.zeros(num_slots, np.uint64)
+def write_record(fd: int, off: int, header: bytes, views: list[memoryview], bounce: memoryview | None) -> None:
+    """ONE pwritev of header + payload: zero copy, or through a page-aligned bounce buffer for O_DIRECT."""
+    if bounce is None:
+        pwrite_all(fd, [header, *views], off, HEADER_SIZE + sum(len(v) for v in views))
+        return
+    bounce[:HEADER_SIZE], pos = header, HEADER_SIZE
+    for v in views:
+        bounce[pos : pos + len(v)] = v
+        pos += len(v)
+    pwrite_all(fd, [bounce], off, len(bounce))
 
-    def load(self) -> tuple[list[bytes], list[int], list[int]]:
-        """Recover (keys, slots, seqs) of committed slots < num_slots, oldest first; compact when untidy."""
-        try:
-            os.unlink(os.path.join(self.dir, JOURNAL_FILE + ".tmp"))  # a compaction killed midway
-        except FileNotFoundError:
-            pass
-        self.fd = open_private(os.path.join(self.dir, JOURNAL_FILE))
-        raw = read_all(self.fd)
-        scan = scan_journal(raw, self.kb)
-        keep = scan.slots < len(self.live)
-        slots, seqs, keys = scan.slots[keep], scan.seqs[keep], scan.keys[keep]
-        self.live[slots] = True
-        self.keys[slots], self.seqs[slots], self.psums[slots] = keys, seqs, scan.psums[keep]
-        self.nlive, self.max_seq, self.size, self.records = len(slots), scan.max_seq, len(raw), scan.records
-        if not scan.header_ok or scan.bad or scan.torn_bytes or not keep.all() or self._too_big():
-            self._compact()
-        kbytes, kb = keys.tobytes(), self.kb
-        return [kbytes[i : i + kb] for i in range(0, len(kbytes), kb)], slots.tolist(), seqs.tolist()
 
-    def queue_invalidate(self, slot: int) -> None:
-        self.pending.append(slot)
+def read_record(fd: int, off: int, slot: int, key: bytes, views: list[memoryview], bounce: memoryview | None) -> str:
+    """Read a record into views and verify it: "" when it holds ``key`` intact, else why not."""
+    want = HEADER_SIZE + sum(len(v) for v in views)
+    if bounce is None:
+        hdr = bytearray(HEADER_SIZE)
+        if (n := os.preadv(fd, [hdr, *views], off)) != want:
+            return f"short read ({n} of {want} bytes)"
+    else:
+        if (n := os.preadv(fd, [bounce], off)) < want:
+            return f"short read ({n} of {want} bytes)"
+        hdr, pos = bounce[:HEADER_SIZE], HEADER_SIZE
+        for v in views:
+            v[:] = bounce[pos : pos + len(v)]
+            pos += len(v)
+    psum, why = check_header(hdr, slot, key, want - HEADER_SIZE)
+    if why:
+        return why
+    return "" if payload_xxh(views) == psum else "payload checksum mismatch"
 
-    def before_write(self, slot: int | None, seq: int) -> None:
-        """Journal queued invalidations and, if committed, ``slot``'s own, before its bytes change."""
-        with self.lock:
-            slots = [self.pending.popleft() for _ in range(len(self.pending))]
-            if slot is not None:
-                slots.append(slot)
-            slots = [s for s in dict.fromkeys(slots) if self.live[s]]  # only commits need a record
-            if not slots:
-                return
-            try:
-                self._append(b"".join(jrecord(JINVALIDATE, s, seq) for s in slots))
-            except OSError:
-                self.pending.extend(slots)  # retried at the next journal write
-                raise
-            self.live[slots] = False
-            self.nlive -= len(slots)
 
-    def commit(self, slot: int, seq: int, key: bytes, psum: int) -> None:
-        with self.lock:
-            self._append(jrecord(JCOMMIT, slot, seq, key, psum))
-            self.live[slot], self.seqs[slot], self.psums[slot] = True, seq, psum
-            self.keys[slot] = np.frombuffer(key, np.uint8)
-            self.nlive += 1
-            if self._too_big():
-                self._compact()
-
-    def close(self) -> None:
-        with self.lock:
-            fd, self.fd = self.fd, -1
-            if fd >= 0:
-                os.close(fd)
-
-    def _too_big(self) -> bool:
-        return self.records > 2 * self.nlive + self.compact_slack
-
-    def _append(self, data: bytes) -> None:
-        try:
-            pwrite_all(self.fd, [data], self.size, len(data))
-            if self.fsync:
-                os.fdatasync(self.fd)
-        except OSError:
-            try:
-                os.ftruncate(self.fd, self.size)
-            except OSError:
-                pass
-            raise
-        self.size += len(data)
-        self.records += len(data) // JREC_SIZE
-
-    def _compact(self) -> None:
-        live = np.flatnonzero(self.live)
-        live = live[np.argsort(self.seqs[live], kind="stable")]
-        blob = encode_journal(self.kb, live, self.seqs[live], self.psums[live], self.keys[live])
-        fd = replace_file(self.dir, JOURNAL_FILE, blob, fsync=self.fsync)
-        old, self.fd = self.fd, fd
-        if old >= 0:
-            os.close(old)
-        self.size, self.records = len(blob), len(live)
+def probe_o_direct(path: str, opener: Callable[[str], int]) -> tuple[int, str]:
+    """(fd opened with O_DIRECT, "") when an aligned read works on ``path``, else (-1, why not)."""
+    if not hasattr(os, "O_DIRECT"):
+        return -1, "O_DIRECT is not available on this platform"
+    try:
+        fd = opener(path)
+    except OSError as e:
+        return -1, f"O_DIRECT open failed on {path}: {e}"
+    try:
+        if (n := os.preadv(fd, [mmap.mmap(-1, ALIGN)], 0)) != ALIGN:
+            raise OSError(errno.EINVAL, f"aligned probe read returned {n} bytes")
+    except OSError as e:
+        os.close(fd)
+        return -1, f"O_DIRECT probe read failed on {path}: {e}"
+    return fd, ""

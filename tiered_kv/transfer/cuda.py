@@ -13,6 +13,8 @@ makes one extra pass through HBM (~3 TB/s, a few percent of the PCIe time)
 and the engine holds up to ``staging_bytes`` of GPU memory per direction; in
 return small blocks (16 KiB) do not pay a launch and a short, inefficient DMA
 each. Runs that are consecutive on both sides skip the staging entirely.
+Scattered CPU slots still cost one DMA per slot, so the CPU tier should hand
+out slots in runs.
 
 Completion: each batch records a (blocking-sync) event on its stream; the
 EventBridge waiter thread for that direction synchronises it and resolves the
@@ -23,7 +25,7 @@ directly (``torch.cuda.current_stream().wait_event(handle.event)``).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -61,14 +63,12 @@ class CUDAStreamEngine(CopyEngine):
                 f"cpu regions {unpinned} are not pinned: asynchronous copies need page-locked memory "
                 "(allocate the CPU tier with pinning enabled)"
             )
-        # A chunk always holds at least one block of the widest region.
-        self._staging_bytes = max(int(staging_bytes), max(self.block_bytes))
         least_priority, _greatest = torch.cuda.Stream.priority_range()
         with torch.cuda.device(self._device):
             self._streams = {
                 d: torch.cuda.Stream(device=self._device, priority=least_priority) for d in Direction
             }
-        self._staging: dict[Direction, torch.Tensor | None] = dict.fromkeys(Direction)
+        self._staging = {d: Staging(self._device, int(staging_bytes)) for d in Direction}
         self._bridges = {d: EventBridge(f"tiered-kv-{d.value}-waiter") for d in Direction}
 
     def stream(self, direction: Direction) -> torch.cuda.Stream:
@@ -81,6 +81,10 @@ class CUDAStreamEngine(CopyEngine):
     ) -> None:  # fmt: skip
         stream = self._streams[direction]
         keep: list[torch.Tensor] = []
+
+        def index(ids: list[int]) -> torch.Tensor:
+            return self._device_index(ids, keep)
+
         error: TransferError | None = None
         with torch.cuda.device(self._device):
             ready = torch.cuda.Event()
@@ -90,10 +94,8 @@ class CUDAStreamEngine(CopyEngine):
             with torch.cuda.stream(stream):
                 stream.wait_event(ready)
                 try:
-                    if direction is Direction.STORE:
-                        self._enqueue_store(src, dst, keep)
-                    else:
-                        self._enqueue_load(src, dst, keep)
+                    enqueue = enqueue_store if direction is Direction.STORE else enqueue_load
+                    enqueue(self._gpu, self._cpu, src, dst, self._staging[direction], index)
                 except Exception as exc:
                     # Part of the batch may be queued already: report the failure
                     # only after `done`, when none of it can still be running.
@@ -108,61 +110,8 @@ class CUDAStreamEngine(CopyEngine):
     def _release(self) -> None:
         for bridge in self._bridges.values():
             bridge.stop()
-        self._staging = dict.fromkeys(Direction)
-
-    # -- enqueueing (runs with the copy stream current) -------------------
-
-    def _enqueue_store(self, gpu_ids: list[int], cpu_slots: list[int], keep: list[torch.Tensor]) -> None:
-        # Grouped by CPU slot: each run of consecutive slots is one DMA.
-        direct, st_gpu, st_cpu = _split_runs(dst_runs(gpu_ids, cpu_slots), staged_side="src")
-        idx = self._device_index(st_gpu, keep)
-        for g, c in zip(self._gpu, self._cpu, strict=True):
-            for run in direct:
-                c[run.dst[0] : run.dst[0] + len(run.dst)].copy_(
-                    g[run.src[0] : run.src[0] + len(run.src)], non_blocking=True
-                )
-            for off, n, stage in self._chunks(Direction.STORE, len(st_gpu), int(g.shape[1])):
-                gw, sw = widen_pair(g, stage)
-                torch.index_select(gw, 0, idx[off : off + n], out=sw)
-                for o, first, length in spans(st_cpu[off : off + n]):
-                    c[first : first + length].copy_(stage[o : o + length], non_blocking=True)
-
-    def _enqueue_load(self, cpu_slots: list[int], gpu_ids: list[int], keep: list[torch.Tensor]) -> None:
-        # Grouped by CPU slot: each run of consecutive slots is one DMA.
-        direct, st_cpu, st_gpu = _split_runs(src_runs(cpu_slots, gpu_ids), staged_side="dst")
-        idx = self._device_index(st_gpu, keep)
-        for g, c in zip(self._gpu, self._cpu, strict=True):
-            for run in direct:
-                g[run.dst[0] : run.dst[0] + len(run.dst)].copy_(
-                    c[run.src[0] : run.src[0] + len(run.src)], non_blocking=True
-                )
-            for off, n, stage in self._chunks(Direction.LOAD, len(st_cpu), int(g.shape[1])):
-                for o, first, length in spans(st_cpu[off : off + n]):
-                    stage[o : o + length].copy_(c[first : first + length], non_blocking=True)
-                sw, gw = widen_pair(stage, g)
-                gw.index_copy_(0, idx[off : off + n], sw)
-
-    def _chunks(self, direction: Direction, rows: int, block_bytes: int):
-        """Yield (offset, rows, staging view [rows, block_bytes]) covering ``rows`` rows.
-
-        Reusing one buffer across chunks, regions and batches is safe because all
-        of them run in order on this direction's stream.
-        """
-        per_chunk = max(1, self._staging_bytes // block_bytes)
-        for off in range(0, rows, per_chunk):
-            n = min(per_chunk, rows - off)
-            yield off, n, self._stage(direction, n * block_bytes).view(n, block_bytes)
-
-    def _stage(self, direction: Direction, nbytes: int) -> torch.Tensor:
-        buf = self._staging[direction]
-        if buf is None or buf.numel() < nbytes:
-            # Allocated while the copy stream is current, so the caching allocator
-            # ties it (and the memory of any buffer it replaces) to this stream.
-            # nbytes <= staging_bytes always (see _chunks); doubling bounds the regrowths.
-            size = min(self._staging_bytes, max(nbytes, 2 * (0 if buf is None else buf.numel())))
-            buf = torch.empty(size, dtype=torch.uint8, device=self._device)
-            self._staging[direction] = buf
-        return buf[:nbytes]
+        for staging in self._staging.values():
+            staging.release()
 
     def _device_index(self, ids: list[int], keep: list[torch.Tensor]) -> torch.Tensor:
         # Pinned source + non_blocking: a pageable or synchronous upload would make
@@ -173,6 +122,81 @@ class CUDAStreamEngine(CopyEngine):
         dev = host.to(self._device, non_blocking=True)
         keep += (host, dev)
         return dev
+
+
+class Staging:
+    """A reusable device buffer, handed out in chunks of at most ``limit_bytes``.
+
+    Reusing one buffer across chunks, regions and batches is safe because all of
+    them run in order on one stream. Device-agnostic, so CPU tests can drive it.
+    """
+
+    def __init__(self, device: torch.device, limit_bytes: int) -> None:
+        self.device = device
+        self.limit_bytes = limit_bytes
+        self._buf: torch.Tensor | None = None
+
+    def chunks(self, rows: int, block_bytes: int):
+        """Yield (offset, n, view [n, block_bytes]) covering ``rows`` rows."""
+        per_chunk = max(1, self.limit_bytes // block_bytes)
+        for off in range(0, rows, per_chunk):
+            n = min(per_chunk, rows - off)
+            yield off, n, self._take(n * block_bytes).view(n, block_bytes)
+
+    def release(self) -> None:
+        self._buf = None
+
+    def _take(self, nbytes: int) -> torch.Tensor:
+        buf = self._buf
+        if buf is None or buf.numel() < nbytes:
+            # Allocated while the copy stream is current, so the caching allocator
+            # ties it (and the memory of any buffer it replaces) to that stream.
+            # Doubling bounds the regrowths; one chunk may exceed the limit only
+            # when a single block does.
+            size = max(nbytes, min(self.limit_bytes, 2 * (0 if buf is None else buf.numel())))
+            buf = self._buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+        return buf[:nbytes]
+
+
+Index = Callable[[list[int]], torch.Tensor]
+
+
+def enqueue_store(
+    gpu: Sequence[torch.Tensor], cpu: Sequence[torch.Tensor], gpu_ids: list[int], cpu_slots: list[int],
+    staging: Staging, index: Index,
+) -> None:  # fmt: skip
+    """Queue GPU rows -> CPU rows on the current stream (gather, then one DMA per CPU run)."""
+    direct, st_gpu, st_cpu = _split_runs(dst_runs(gpu_ids, cpu_slots), staged_side="src")
+    idx = index(st_gpu)
+    for g, c in zip(gpu, cpu, strict=True):
+        for run in direct:
+            c[run.dst[0] : run.dst[0] + len(run.dst)].copy_(
+                g[run.src[0] : run.src[0] + len(run.src)], non_blocking=True
+            )
+        for off, n, stage in staging.chunks(len(st_gpu), int(g.shape[1])):
+            gw, sw = widen_pair(g, stage)
+            torch.index_select(gw, 0, idx[off : off + n], out=sw)
+            for o, first, length in spans(st_cpu[off : off + n]):
+                c[first : first + length].copy_(stage[o : o + length], non_blocking=True)
+
+
+def enqueue_load(
+    gpu: Sequence[torch.Tensor], cpu: Sequence[torch.Tensor], cpu_slots: list[int], gpu_ids: list[int],
+    staging: Staging, index: Index,
+) -> None:  # fmt: skip
+    """Queue CPU rows -> GPU rows on the current stream (one DMA per CPU run, then scatter)."""
+    direct, st_cpu, st_gpu = _split_runs(src_runs(cpu_slots, gpu_ids), staged_side="dst")
+    idx = index(st_gpu)
+    for g, c in zip(gpu, cpu, strict=True):
+        for run in direct:
+            g[run.dst[0] : run.dst[0] + len(run.dst)].copy_(
+                c[run.src[0] : run.src[0] + len(run.src)], non_blocking=True
+            )
+        for off, n, stage in staging.chunks(len(st_cpu), int(g.shape[1])):
+            for o, first, length in spans(st_cpu[off : off + n]):
+                stage[o : o + length].copy_(c[first : first + length], non_blocking=True)
+            sw, gw = widen_pair(stage, g)
+            gw.index_copy_(0, idx[off : off + n], sw)
 
 
 def _split_runs(runs: list[Run], *, staged_side: str) -> tuple[list[Run], list[int], list[int]]:
