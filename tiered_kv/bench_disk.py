@@ -1,10 +1,11 @@
 """Disk tier benchmarks, side by side with the raw syscalls in the same run and the same directory.
 
 ``bench_disk``: DiskStore.write / read (asyncio, 4 in flight, as the spiller drives it) against a plain
-loop of ``os.pwritev`` / ``os.preadv`` of the same bytes into the same destination rows. Writes land in
-the page cache for both (no fsync in the timed pass); before every read pass both files are fsynced and
-evicted (posix_fadvise DONTNEED, plus /proc/sys/vm/drop_caches when we may write it), so reads come
-from the device. Each figure is the best of ``repeats`` passes; raw and ours alternate within a repeat.
+loop of ``os.pwritev`` / ``os.preadv`` of the same bytes from/into the same rows. ``write_*`` passes land
+in the page cache (memcpy speed: the harshest case for per-block overhead); ``durable_write_*`` passes end
+with fdatasync (what sustained spilling costs). Before every read pass all files are fsynced and evicted
+(posix_fadvise DONTNEED, plus /proc/sys/vm/drop_caches when writable), so reads come from the device.
+Each figure is the best of ``repeats`` passes; raw and ours alternate within a repeat.
 
 ``bench_recovery``: time of DiskStore.open() on a journal of N committed blocks (blocks/s).
 Both are synchronous entry points (they run their own event loop).
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from tiered_kv.tiers.disk_format import JOURNAL_FILE, DiskNamespace, encode_journal
+from tiered_kv.tiers.disk_format import JINVALIDATE, JOURNAL_FILE, DiskNamespace, encode_journal, jrecord
 from tiered_kv.tiers.disk_store import DiskStore
 
 CONCURRENCY = 4
@@ -42,6 +43,15 @@ def _evict(paths: list[str]) -> str:
         return "fadvise+drop_caches"
     except OSError:
         return "fadvise"
+
+
+def _fdatasync(paths: list[str]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
 
 
 async def _drive(n: int, op: Any) -> None:
@@ -65,44 +75,51 @@ async def _bench_size(tmpdir: str, bs: int, n: int, repeats: int) -> dict:
     keys = [hashlib.sha256(f"{bs}:{i}".encode()).digest() for i in range(n)]
     ns = DiskNamespace("bench", "uint8", f"bench-{bs}", bs, 32)
     raw_path = os.path.join(tmpdir, f"raw-{bs}.bin")
-    best = {"write_raw": float("inf"), "write_ours": float("inf"), "read_raw": float("inf"),
-            "read_ours": float("inf")}
-    method, verified = "", 0
+    best = dict.fromkeys(("write_raw", "write_ours", "read_raw", "read_ours", "durable_write_raw",
+                          "durable_write_ours"), float("inf"))
+    method, verified, ok = "", 0, []
     fd = os.open(raw_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     store = DiskStore(os.path.join(tmpdir, "ours"), ns, n, [half, bs - half])
     await store.open()
-    data_path = os.path.join(store.path, "blocks.dat")
+    ours_files = [os.path.join(store.path, f) for f in ("blocks.dat", JOURNAL_FILE)]
+
+    async def w(i: int) -> None:
+        await store.write(i, keys[i], src_parts[i])
+
+    async def r(i: int) -> None:
+        ok.append(await store.read(i, keys[i], dst_parts[i]))
+
+    def timed(name: str, t: float) -> None:
+        best[name] = min(best[name], time.perf_counter() - t)
+
     try:
         for _ in range(repeats):
-            t = time.perf_counter()
-            for i in range(n):
-                os.pwritev(fd, src_parts[i], i * bs)
-            best["write_raw"] = min(best["write_raw"], time.perf_counter() - t)
-
-            async def w(i: int) -> None:
-                await store.write(i, keys[i], src_parts[i])
-
-            t = time.perf_counter()
-            await _drive(n, w)
-            best["write_ours"] = min(best["write_ours"], time.perf_counter() - t)
-
-            method = _evict([raw_path, data_path])
+            for durable in (False, True):
+                prefix = "durable_" if durable else ""
+                t = time.perf_counter()
+                for i in range(n):
+                    os.pwritev(fd, src_parts[i], i * bs)
+                if durable:
+                    os.fdatasync(fd)
+                timed(prefix + "write_raw", t)
+                t = time.perf_counter()
+                await _drive(n, w)
+                if durable:
+                    _fdatasync(ours_files)
+                timed(prefix + "write_ours", t)
+            method = _evict([raw_path, *ours_files])
             t = time.perf_counter()
             for i in range(n):
                 os.preadv(fd, dst_parts[i], i * bs)
-            best["read_raw"] = min(best["read_raw"], time.perf_counter() - t)
+            timed("read_raw", t)
             if not np.array_equal(src, dst):
                 raise RuntimeError("raw read-back differs")  # the bench's own sanity check
             dst[:] = 0
-            ok = []
-
-            async def r(i: int) -> None:
-                ok.append(await store.read(i, keys[i], dst_parts[i]))
-
-            method = _evict([raw_path, data_path])
+            ok.clear()
+            method = _evict([raw_path, *ours_files])
             t = time.perf_counter()
             await _drive(n, r)
-            best["read_ours"] = min(best["read_ours"], time.perf_counter() - t)
+            timed("read_ours", t)
             verified = sum(ok) if np.array_equal(src, dst) else 0
             dst[:] = 0
     finally:
@@ -114,7 +131,8 @@ async def _bench_size(tmpdir: str, bs: int, n: int, repeats: int) -> dict:
     return {"block_bytes": bs, "blocks": n, "verified": verified, "cache_drop": method,
             **{f"{k}_gbps": round(v, 3) for k, v in gbps.items()},
             "write_ratio": round(gbps["write_ours"] / gbps["write_raw"], 3),
-            "read_ratio": round(gbps["read_ours"] / gbps["read_raw"], 3)}
+            "read_ratio": round(gbps["read_ours"] / gbps["read_raw"], 3),
+            "durable_write_ratio": round(gbps["durable_write_ours"] / gbps["durable_write_raw"], 3)}
 
 
 def bench_disk(tmpdir: str, block_sizes: tuple[int, ...] = (256 * 1024, 2 * 1024 * 1024),
@@ -141,8 +159,6 @@ async def _bench_recovery_one(tmpdir: str, count: int, history: bool) -> dict:
     blob = encode_journal(32, slots, np.arange(1, count + 1, dtype=np.uint64), rng.integers(0, 2**63, count,
                           dtype=np.uint64).astype(np.uint64), keys)
     if history:
-        from tiered_kv.tiers.disk_format import JINVALIDATE, jrecord
-
         old = encode_journal(32, slots, np.zeros(count, np.uint64), np.zeros(count, np.uint64), keys[::-1])
         inval = b"".join(jrecord(JINVALIDATE, s, 0) for s in range(count))
         blob = old + inval + blob[64:]

@@ -1,0 +1,147 @@
+"""The disk tier through TieredKVCache: spill, promote, restart, corruption, a full disk."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+
+import pytest
+from cache_helpers import cache_for, config, fill, holds, make_kv
+
+from tiered_kv.tiers.disk_format import DATA_FILE
+
+
+async def store_all(cache, kv, keys, batch=4):
+    for i, key in enumerate(keys):
+        fill(kv, i, key)
+    for i in range(0, len(keys), batch):
+        await cache.store(keys[i : i + batch], list(range(i, min(i + batch, len(keys)))))
+
+
+async def assert_loads_exact(cache, kv, keys, target=63):
+    for key in keys:
+        assert await cache.load([key], [target]) == 1, key.hex()[:8]
+        assert holds(kv, target, key)
+
+
+async def test_write_back_spills_evicted_blocks_and_promotes_them(tmp_path):
+    kv = make_kv(64)
+    async with cache_for(kv, config(tmp_path, cpu_blocks=4, disk_blocks=32)) as cache:
+        keys = cache.keyer.keys_for_block_ids(range(20))
+        await store_all(cache, kv, keys)
+        stats = cache.stats()
+        assert stats["cpu"]["resident"] == 4
+        assert stats["disk"]["resident"] == 16  # every evicted block went to disk first
+        assert stats["metrics"]["tiered_kv_spills_total"] == 16
+        res = cache.lookup(keys)
+        assert res.total == 20 and res.disk == 16 and res.cpu == 4
+        for t in kv.values():
+            t[:32].zero_()
+        await assert_loads_exact(cache, kv, keys)
+        assert cache.stats()["metrics"]["tiered_kv_blocks_moved_total{disk_to_cpu}"] >= 16
+        cache.check_invariants()
+
+
+async def test_multi_block_load_mixes_tiers_in_one_call(tmp_path):
+    kv = make_kv(64)
+    async with cache_for(kv, config(tmp_path, cpu_blocks=8, disk_blocks=32)) as cache:
+        keys = cache.keyer.keys_for_block_ids(range(12))
+        await store_all(cache, kv, keys)
+        assert cache.lookup(keys[:6]).disk > 0
+        assert await cache.load(keys[:6], [40, 41, 42, 43, 44, 45]) == 6
+        assert all(holds(kv, 40 + i, keys[i]) for i in range(6))
+
+
+async def test_write_through_and_restart_recovery(tmp_path):
+    kv = make_kv(64)
+    cfg = config(tmp_path, cpu_blocks=16, disk_blocks=32, spill="write_through")
+    async with cache_for(kv, cfg) as cache:
+        keys = cache.keyer.keys_for_block_ids(range(10))
+        await store_all(cache, kv, keys)
+        while cache._tasks:  # write-through spills run in the background
+            await asyncio.sleep(0.001)
+        assert cache.stats()["disk"]["resident"] == 10
+    kv2 = make_kv(64)
+    async with cache_for(kv2, cfg) as cache:
+        assert cache.recovered_blocks == 10
+        assert cache.lookup(keys).disk == 10
+        await assert_loads_exact(cache, kv2, keys)
+
+
+async def test_other_model_never_reads_these_blocks(tmp_path):
+    kv = make_kv(64)
+    cfg = config(tmp_path, cpu_blocks=4, disk_blocks=32, spill="write_through")
+    async with cache_for(kv, cfg) as cache:
+        keys = cache.keyer.keys_for_block_ids(range(6))
+        await store_all(cache, kv, keys)
+    other = dict(cfg, model={"bytes_per_block": 1024, "model_id": "another-model"})
+    async with cache_for(make_kv(64), other) as cache:
+        assert cache.recovered_blocks == 0
+        assert cache.lookup(keys).total == 0
+        assert cache.lookup(cache.keyer.keys_for_block_ids(range(6))).total == 0
+
+
+async def test_flipped_bytes_on_disk_are_misses_never_data(tmp_path):
+    kv = make_kv(64)
+    cfg = config(tmp_path, cpu_blocks=4, disk_blocks=32)
+    async with cache_for(kv, cfg) as cache:
+        keys = cache.keyer.keys_for_block_ids(range(16))
+        await store_all(cache, kv, keys)
+        on_disk = {k: s for k, s in cache.disk.index.ready.items()}
+        record = cache.disk.store.record_size
+        data = os.path.join(cache.disk.store.path, DATA_FILE)
+    bad = [k for k in keys if k in on_disk][:3]
+    with open(data, "r+b") as f:
+        for key in bad:
+            f.seek(on_disk[key] * record + 200)  # inside the payload
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    async with cache_for(make_kv(64), cfg) as cache:
+        for key in keys:
+            if key not in on_disk:
+                continue
+            got = await cache.load([key], [7])
+            if key in bad:
+                assert got == 0  # a miss, and the block is dropped
+                assert cache.lookup([key]).total == 0
+            else:
+                assert got == 1
+        assert cache.stats()["metrics"]["tiered_kv_corrupt_blocks_total{disk}"] == 3
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A real 192 KiB tmpfs: the disk tier fills it for real (skipped where mount is refused)."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root, or no CAP_SYS_ADMIN)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+async def test_full_disk_degrades_the_tier_and_cpu_keeps_serving(tmp_path, tiny_fs):
+    kv = make_kv(64)
+    cfg = config(tmp_path, cpu_blocks=8, disk_blocks=200)
+    cfg["tiers"]["disk"]["path"] = str(tiny_fs)
+    async with cache_for(kv, cfg) as cache:
+        keys = cache.keyer.keys_for_block_ids(range(60))
+        await store_all(cache, kv, keys)
+        stats = cache.stats()
+        assert stats["disk"]["degraded"], "a full file system must degrade the disk tier"
+        assert "No space" in stats["disk"]["degraded"] or "ENOSPC" in stats["disk"]["degraded"]
+        assert stats["metrics"]["tiered_kv_degraded_events_total{disk}"] == 1
+        on_disk = len(cache.disk.index.ready)
+        assert 0 < on_disk < 52
+        # CPU keeps taking stores and serving them; what reached disk still loads exact
+        more = cache.keyer.keys_for_block_ids(range(100, 104))
+        for i, key in enumerate(more):
+            fill(kv, 60 + i, key)
+        assert (await cache.store(more, [60, 61, 62, 63])).stored == 4
+        await assert_loads_exact(cache, kv, more, target=59)
+        await assert_loads_exact(cache, kv, [k for k in keys if k in cache.disk.index.ready], target=58)
+        cache.check_invariants()
