@@ -14,10 +14,10 @@ header/key/payload checks on read, so a reader gets the old block, nothing, or t
 re-verifies header, key, slot, length and payload checksum; bad data is a miss (False), never an exception.
 
 Concurrency: reads and writes issued together are coalesced into batches (``_Batcher``), one executor job
-per batch, up to ``io_threads`` batches at once; a batch journals its invalidations in one record write and
-its commits in another. One executor round trip per block would cost as much as a 256 KiB pwrite itself.
-The journal (disk_format.Journal) is touched only by executor threads holding its lock; the event loop only
-queues invalidations and counts stats, so it never waits on that lock. A cancelled ``read``/``write``
+per batch, up to ``io_threads`` batches at once (2 for buffered writes); a batch journals its invalidations
+in one record write and its commits in another. One executor round trip per block would cost as much as a
+256 KiB pwrite itself. The journal (disk_admin.Journal) is touched only by executor threads holding its
+lock; the event loop only queues invalidations and counts stats, so it never waits on that lock. A cancelled ``read``/``write``
 still waits for its executor work before re-raising: cancelling an await does not stop a pwritev/preadv
 into the caller's buffers.
 """
@@ -128,7 +128,10 @@ class _Batcher:
             with self._lock:
                 wake, self._wake_pending = not self._wake_pending, True
             if wake:
-                self._loop.call_soon_threadsafe(self._drain)  # type: ignore[union-attr]
+                try:
+                    self._loop.call_soon_threadsafe(self._drain)  # type: ignore[union-attr]
+                except RuntimeError:  # the loop is gone (interpreter teardown): nobody awaits these
+                    pass
 
     def _drain(self) -> None:  # event loop
         with self._lock:
