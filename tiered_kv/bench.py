@@ -41,6 +41,10 @@ def run_all(sections: list[str] | None, quick: bool) -> dict[str, Any]:
         from .transfer.bench import bench_transfer
 
         out["transfer"] = bench_transfer(repeats=4 if quick else 20) if not quick else bench_transfer((16 << 10,), repeats=4)
+    if "gpu" in want or sections is None:
+        from .bench_gpu import bench_gpu
+
+        out["gpu"] = bench_gpu(repeats=4 if quick else 20)
     if "disk" in want:
         from .bench_disk import bench_disk, bench_recovery
 
@@ -69,6 +73,12 @@ def render(result: dict[str, Any]) -> None:
     if "transfer" in result:
         t = Table("direction", "block", "engine GB/s", "raw GB/s", "ratio", title="copy engine alone vs raw")
         for r in result["transfer"]:
+            t.add_row(r["direction"], format_size(r["block_bytes"]), f"{r['engine_gbps']:.2f}", f"{r['raw_gbps']:.2f}",
+                      f"{r['ratio']:.2f}")
+        console.print(t)
+    if result.get("gpu"):
+        t = Table("direction", "block", "engine GB/s", "cudaMemcpyAsync GB/s", "ratio", title="CUDA streams vs raw pinned copy")
+        for r in result["gpu"]:
             t.add_row(r["direction"], format_size(r["block_bytes"]), f"{r['engine_gbps']:.2f}", f"{r['raw_gbps']:.2f}",
                       f"{r['ratio']:.2f}")
         console.print(t)

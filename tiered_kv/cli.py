@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true")
     p = add("bench", cmd_bench, "throughput ratios against the raw operation, in one run")
     p.add_argument("--quick", action="store_true", help="fewer repeats (for tests)")
-    p.add_argument("--only", choices=["transfer", "cache", "lookup", "index", "disk"], action="append")
+    p.add_argument("--only", choices=["transfer", "cache", "lookup", "index", "disk", "gpu"], action="append")
     return parser
 
 

@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import stat
 import subprocess
 
@@ -97,6 +98,22 @@ async def test_overwrite_slot_and_invalidate(tmp_path):
         assert await read_bytes(store, 6, c) == payload(c)  # invalidate forgets for recovery, not the bytes
     async with DiskStore(tmp_path, NS, 8, PARTS) as store:
         assert [(r.key, r.slot) for r in store.recovered] == [(b, 5)]
+
+
+async def test_invalidate_reaches_the_journal_at_flush(tmp_path):
+    """Copy the directory while the store is open: what a crash at that moment would leave behind."""
+    async with DiskStore(tmp_path / "live", NS, 4, PARTS) as store:
+        await write(store, 1, key_of(1))
+        await write(store, 2, key_of(2))
+        store.invalidate(1)
+        shutil.copytree(store.path, tmp_path / "before" / NS.dirname())
+        await store.flush()
+        shutil.copytree(store.path, tmp_path / "after" / NS.dirname())
+    async with DiskStore(tmp_path / "before", NS, 4, PARTS) as st:  # queued only: still offered, intact
+        assert sorted(r.slot for r in st.recovered) == [1, 2]
+        assert await read_bytes(st, 1, key_of(1)) == payload(key_of(1))
+    async with DiskStore(tmp_path / "after", NS, 4, PARTS) as st:
+        assert [r.slot for r in st.recovered] == [2]
 
 
 async def test_restart_recovers_latest_per_slot_in_seq_order(tmp_path):
@@ -212,6 +229,25 @@ async def test_journal_compacts_while_running(tmp_path):
         for i in range(200):
             await write(store, i % 4, key_of(i))
             assert os.path.getsize(os.path.join(store.path, "journal.tkv")) <= JREC_SIZE * (1 + 2 * 4 + 10 + 2)
+    async with DiskStore(tmp_path, NS, 4, PARTS) as store:
+        assert {r.slot: r.key for r in store.recovered} == {i % 4: key_of(i) for i in range(196, 200)}
+
+
+async def test_failed_compaction_does_not_fail_writes(tmp_path):
+    """Compaction's temp file is blocked by a directory of that name (EISDIR): writes go on, journal grows."""
+    store = DiskStore(tmp_path, NS, 4, PARTS)
+    store.compact_slack = 4
+    jpath = os.path.join(store.path, "journal.tkv")
+    async with store:
+        os.mkdir(jpath + ".tmp")
+        for i in range(40):
+            await write(store, i % 4, key_of(i))
+        grown = os.path.getsize(jpath)
+        assert grown > JREC_SIZE * (1 + 2 * 4 + 4 + 2)
+        os.rmdir(jpath + ".tmp")
+        for i in range(40, 200):
+            await write(store, i % 4, key_of(i))
+        assert os.path.getsize(jpath) < grown  # retried later, and this time it worked
     async with DiskStore(tmp_path, NS, 4, PARTS) as store:
         assert {r.slot: r.key for r in store.recovered} == {i % 4: key_of(i) for i in range(196, 200)}
 

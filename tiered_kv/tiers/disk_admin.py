@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import re
 import stat
@@ -42,6 +43,7 @@ from tiered_kv.tiers.disk_format import (
     scan_journal,
 )
 
+log = logging.getLogger("tiered_kv.disk")
 NS_DIR_RE = re.compile(r"^ns-[0-9a-f]{20}$")
 # Everything a namespace dir may hold (temp files are left by a kill during an atomic replace).
 OUR_FILES = frozenset({NS_FILE, NS_FILE + ".tmp", DATA_FILE, JOURNAL_FILE, JOURNAL_FILE + ".tmp", LOCK_FILE})
@@ -225,7 +227,7 @@ class Journal:
         self.dir, self.kb, self.fsync, self.compact_slack = dirpath, key_bytes, fsync, compact_slack
         self.lock = threading.Lock()
         self.fd = -1
-        self.size = self.records = self.nlive = self.max_seq = 0
+        self.size = self.records = self.nlive = self.max_seq = self.retry_at = 0
         self.pending: deque[int] = deque()
         self.live = np.zeros(num_slots, bool)
         self.keys = np.zeros((num_slots, key_bytes), np.uint8)
@@ -245,9 +247,14 @@ class Journal:
         slots, seqs, keys = scan.slots[keep], scan.seqs[keep], scan.keys[keep]
         self.live[slots] = True
         self.keys[slots], self.seqs[slots], self.psums[slots] = keys, seqs, scan.psums[keep]
-        self.nlive, self.max_seq, self.size, self.records = len(slots), scan.max_seq, len(raw), scan.records
-        if not scan.header_ok or scan.bad or scan.torn_bytes or not keep.all() or self._too_big():
-            self._compact()
+        self.nlive, self.max_seq, self.records = len(slots), scan.max_seq, scan.records
+        self.size = len(raw) - scan.torn_bytes
+        if scan.torn_bytes:  # cut the torn tail so the next append lands on a record boundary
+            os.ftruncate(self.fd, self.size)
+        if not scan.header_ok:
+            self._compact()  # a journal we cannot append to: rewrite it or fail the open
+        elif scan.bad or not keep.all() or self._too_big():
+            self._try_compact()
         kbytes, kb = keys.tobytes(), self.kb
         return [kbytes[i : i + kb] for i in range(0, len(kbytes), kb)], slots.tolist(), seqs.tolist()
 
@@ -278,7 +285,7 @@ class Journal:
                 self.live[slot], self.seqs[slot], self.psums[slot] = True, seq, psum
                 self.keys[slot] = np.frombuffer(key, np.uint8)
             if self._too_big():
-                self._compact()
+                self._try_compact()
 
     def close(self) -> None:
         with self.lock:
@@ -287,7 +294,15 @@ class Journal:
                 os.close(fd)
 
     def _too_big(self) -> bool:
-        return self.records > 2 * self.nlive + self.compact_slack
+        return self.records > max(2 * self.nlive + self.compact_slack, self.retry_at)
+
+    def _try_compact(self) -> None:
+        """Compaction is housekeeping: if it fails (a full disk), keep appending and retry much later."""
+        try:
+            self._compact()
+        except OSError as e:
+            self.retry_at = 2 * self.records
+            log.warning("disk tier: journal compaction in %s failed (%s); will retry later", self.dir, e)
 
     def _append(self, data: bytes) -> None:
         try:

@@ -40,7 +40,6 @@ NS_FILE, DATA_FILE, JOURNAL_FILE, LOCK_FILE = "namespace.json", "blocks.dat", "j
 FORMAT_NAME = "tiered_kv.disk"
 FORMAT_VERSION = 1
 ALIGN = 4096
-MAX_KEY = 32
 
 # ---- block record header -------------------------------------------------------------------------
 BLOCK_MAGIC = b"TKVB"

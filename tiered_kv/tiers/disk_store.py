@@ -14,7 +14,7 @@ header/key/payload checks on read, so a reader gets the old block, nothing, or t
 re-verifies header, key, slot, length and payload checksum; bad data is a miss (False), never an exception.
 
 Concurrency: reads and writes issued together are coalesced into batches (``_Batcher``), one executor job
-per batch, up to ``io_threads`` batches at once (2 for buffered writes); a batch journals its invalidations
+per batch, up to ``io_threads`` batches at once (1 for buffered writes); a batch journals its invalidations
 in one record write and its commits in another. One executor round trip per block would cost as much as a
 256 KiB pwrite itself. The journal (disk_admin.Journal) is touched only by executor threads holding its
 lock; the event loop only queues invalidations and counts stats, so it never waits on that lock. A cancelled ``read``/``write``
@@ -333,8 +333,8 @@ class DiskStore:
         if os.fstat(self._dfd).st_size != self.num_slots * self.record_size:
             os.ftruncate(self._dfd, self.num_slots * self.record_size)  # sparse; a smaller num_slots cuts the tail
         self._setup_direct()
-        if not self.o_direct_active:  # buffered writes to one file serialize on its inode lock anyway;
-            self._writes.max_jobs = min(self._io_threads, 2)  # more threads only fight over the GIL
+        if not self.o_direct_active:  # buffered pwrites to one file serialize on its inode lock and xxh3
+            self._writes.max_jobs = 1  # holds the GIL: a second writer thread measured slower, not faster
         log.info("disk tier %s: %d blocks recovered, %d slots of %d bytes, O_DIRECT %s", self.path,
                  len(slots), self.num_slots, self.record_size, self.o_direct_active)
         return list(map(RecoveredBlock._make, zip(keys, slots, seqs, strict=True)))
