@@ -219,10 +219,19 @@ class TieredKVCache:
 
     # -- CPU pins and room ----------------------------------------------------------------
     def unpin_cpu(self, slot: int) -> None:
-        if self.cpu.unpin(slot) == 0 and slot in self._leaving:
-            self._leaving.discard(slot)
-            self.cpu.drop(slot)
-            self.metrics.evicted["cpu"].inc()
+        self.unpin_cpu_many([slot])
+
+    def unpin_cpu_many(self, slots: list[int]) -> None:
+        unpin, leaving = self.cpu.unpin, self._leaving
+        for slot in slots:
+            if unpin(slot) == 0 and slot in leaving:
+                self.unpin_cpu_finish(slot)
+
+    def unpin_cpu_finish(self, slot: int) -> None:
+        """The last pin of an evicted block is gone: its slot is free at last."""
+        self._leaving.discard(slot)
+        self.cpu.drop(slot)
+        self.metrics.evicted["cpu"].inc()
 
     def _needs_spill(self, key: bytes) -> bool:
         return self.disk is not None and self.disk.writable and not self.disk.holds(key)

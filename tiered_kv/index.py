@@ -47,7 +47,8 @@ class TierIndex:
         self.slot_key: list[bytes | None] = [None] * num_slots
         self.state = bytearray(num_slots)
         self.pins = array("I", bytes(4 * num_slots))
-        self.pinned_ready = 0  # READY slots with pins > 0: not evictable
+        self.pinned_ready = 0  # READY slots in the policy with pins > 0: not evictable
+        self.detached: set[int] = set()  # evicted but still READY (e.g. being spilled): out of the policy
         # Popping from the end hands out ascending slots first, so fresh
         # reservations form contiguous runs that copy in one call.
         self._free = array("i", range(num_slots - 1, -1, -1))
@@ -70,6 +71,26 @@ class TierIndex:
         return self.pins[slot] > 0
 
     # -- reserve -> commit | abort ----------------------------------------------------
+    def reserve_many(self, keys: list[bytes]) -> list[int]:
+        """Reserve slots for the leading ``keys`` that fit (absent keys only), ascending slot order.
+
+        Ascending slots make contiguous runs, which copy in one call.
+        """
+        n = min(len(keys), len(self._free))
+        if n == 0:
+            return []
+        free = self._free
+        slots = sorted(free[-n:])
+        del free[-n:]
+        state, slot_key, pending = self.state, self.slot_key, self.pending
+        for key, slot in zip(keys, slots, strict=False):
+            if key in self.ready or key in pending:
+                raise TieredKVError(f"{self.name}: key {key.hex()[:16]} is already present")
+            state[slot] = RESERVED
+            slot_key[slot] = key
+            pending[key] = slot
+        return slots
+
     def reserve(self, key: bytes) -> int | None:
         """Take a free slot for ``key`` (state RESERVED); None when none is free."""
         if key in self.ready or key in self.pending:
@@ -105,6 +126,7 @@ class TierIndex:
             raise TieredKVError(f"{self.name}: slot {slot} is pinned ({self.pins[slot]}) and cannot be dropped")
         del self.ready[key]
         self.policy.remove(slot)
+        self.detached.discard(slot)
         self._release(slot)
         return key
 
@@ -112,21 +134,26 @@ class TierIndex:
         """Choose exactly n unpinned READY victims (still READY, out of the policy), or []."""
         if n <= 0 or n > self.evictable:
             return []
-        return self.policy.evict(n, self._protected)
+        victims = self.policy.evict(n, self._protected)
+        self.detached.update(victims)
+        return victims
 
     # -- pins ------------------------------------------------------------------------
     def pin(self, slot: int) -> None:
-        if self.pins[slot] == 0 and self.state[slot] == READY and slot in self.policy:
+        pins = self.pins
+        if pins[slot] == 0 and self.state[slot] == READY and slot not in self.detached:
             self.pinned_ready += 1
-        self.pins[slot] += 1
+        pins[slot] += 1
 
     def unpin(self, slot: int) -> int:
-        if self.pins[slot] == 0:
+        pins = self.pins
+        left = pins[slot] - 1
+        if left < 0:
             raise TieredKVError(f"{self.name}: unpin of slot {slot} that is not pinned")
-        self.pins[slot] -= 1
-        if self.pins[slot] == 0 and self.state[slot] == READY and slot in self.policy:
+        pins[slot] = left
+        if left == 0 and self.state[slot] == READY and slot not in self.detached:
             self.pinned_ready -= 1
-        return self.pins[slot]
+        return left
 
     def touch(self, slot: int) -> None:
         self.policy.touch(slot)

@@ -20,10 +20,11 @@ async def load_body(cache: TieredKVCache, op: _Op, keys: Sequence[bytes], gpu_id
     cpu_pins: list[int] = []  # CPU slots we hold a pin on (released in finally)
     # 1. Pin the leading run synchronously, so nothing we plan to read is evicted.
     plan: list[tuple[bytes, int, bool]] = []  # key, slot, on_disk
+    cpu_ready, pin = cpu.ready, cpu.pin
     for key in keys:
-        slot = cpu.ready.get(key)
+        slot = cpu_ready.get(key)
         if slot is not None:
-            cpu.pin(slot)
+            pin(slot)
             cpu_pins.append(slot)
             plan.append((key, slot, False))
             continue
@@ -47,11 +48,12 @@ async def load_body(cache: TieredKVCache, op: _Op, keys: Sequence[bytes], gpu_id
         await handle
         bpb = cache.layout.bytes_per_block
         cache.metrics.moved("cpu_to_gpu", n, n * bpb, loop.time() - t0)
-        cache.touch(keys[:n])
+        touch = cpu.policy.touch
+        for slot in reversed(src_slots[:n]):  # last first: the prefix's head ends most recent
+            touch(slot)
         return n
     finally:
-        for slot in cpu_pins:
-            cache.unpin_cpu(slot)
+        cache.unpin_cpu_many(cpu_pins)
 
 
 async def _promote(

@@ -83,24 +83,14 @@ async def store_body(cache: TieredKVCache, op: _Op, keys: Sequence[bytes], gpu_i
 
 
 def _reserve_into(cache: TieredKVCache, todo: list[tuple[bytes, int]], reserved: list[tuple[bytes, int]]) -> None:
-    """Reserve free slots for the next keys in order; stops at the first that does not fit."""
+    """Reserve free slots for the next keys in order; stops at the first that cannot be placed."""
     cpu = cache.cpu
-    while len(reserved) < len(todo):
-        key = todo[len(reserved)][0]
+    rest = []
+    for key, _ in todo[len(reserved) :]:
         if key in cpu.ready or key in cpu.pending:  # raced in while we waited for room
-            return
-        slot = cpu.reserve(key)
-        if slot is None:
-            return
-        reserved.append((key, slot))
-    # Ascending slots copy as contiguous runs; which key gets which slot is free to choose.
-    keys_order = [k for k, _ in reserved]
-    slots_sorted = sorted(s for _, s in reserved)
-    if [s for _, s in reserved] != slots_sorted:
-        for (key, _old), new in zip(list(reserved), slots_sorted, strict=True):
-            cpu.pending[key] = new
-            cpu.slot_key[new] = key
-        reserved[:] = list(zip(keys_order, slots_sorted, strict=True))
+            break
+        rest.append(key)
+    reserved += zip(rest, cpu.reserve_many(rest), strict=False)
 
 
 def _commit_in_prefix_order(cache: TieredKVCache, keys: Sequence[bytes], reserved: list[tuple[bytes, int]]) -> None:

@@ -1,0 +1,145 @@
+"""The replay report: one dict (the ``--json`` output) and its rich rendering.
+
+Hit rates are block-weighted under prefix semantics, as in the simulators: a
+block counts as a hit only inside the leading run a request found (GPU first,
+then CPU/disk), and only when its bytes verified. GB/s per direction is bytes
+over the summed wall time of the copies (concurrent copies overlap, so it is a
+per-copy rate, not the machine's aggregate).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..metrics import DIRECTIONS
+from ..sizes import format_size
+from .run import ReplayResult
+from .simulate import SimResult
+
+TRACE_BLOCK_TOKENS = 512  # Mooncake hash_ids and the built-in workload use 512-token blocks
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _latency(values: list[float]) -> dict[str, Any]:
+    p50, p99 = _pct(values, 0.50), _pct(values, 0.99)
+    return {
+        "count": len(values),
+        "p50_ms": None if p50 is None else p50 * 1e3,
+        "p99_ms": None if p99 is None else p99 * 1e3,
+    }
+
+
+def build_report(
+    result: ReplayResult, sims: dict[str, SimResult], *, workload: str, unique: int | None = None
+) -> dict[str, Any]:
+    s, m = result.stats, result.metrics
+    refs = s.block_refs
+    hits = {"gpu": s.hits_gpu, "cpu": s.hits_cpu, "disk": s.hits_disk}
+    total_hits = sum(hits.values())
+    transfers = {}
+    for d in DIRECTIONS:
+        nbytes = m.get(f"tiered_kv_bytes_total{{{d}}}", 0.0)
+        secs = m.get(f"tiered_kv_transfer_seconds_total{{{d}}}", 0.0)
+        transfers[d] = {
+            "blocks": int(m.get(f"tiered_kv_blocks_moved_total{{{d}}}", 0.0)),
+            "bytes": int(nbytes),
+            "seconds": secs,
+            "gb_per_s": nbytes / secs / 1e9 if secs > 0 else None,
+        }
+    return {
+        "workload": workload,
+        "device": result.device,
+        "requests": s.requests,
+        "block_refs": refs,
+        "unique_blocks": unique,
+        "hit_rate": {
+            "total": total_hits / refs if refs else 0.0,
+            **{t: n / refs if refs else 0.0 for t, n in hits.items()},
+        },
+        "hit_blocks": {"total": total_hits, **hits},
+        "tokens_not_recomputed": total_hits * TRACE_BLOCK_TOKENS,
+        "computed_blocks": s.computed,
+        "truncated_blocks": s.truncated,
+        "transfers": transfers,
+        "latency": {"load": _latency(s.load_latency), "store": _latency(s.store_latency)},
+        "store": {
+            "stored": s.stored,
+            "deduped": s.deduped,
+            "in_flight": s.store_in_flight,
+            "skipped": s.store_skipped,
+        },
+        "spills": int(m.get("tiered_kv_spills_total", 0.0)),
+        "evictions": {t: int(m.get(f"tiered_kv_evictions_total{{{t}}}", 0.0)) for t in ("cpu", "disk")},
+        "degraded_events": int(sum(m.get(f"tiered_kv_degraded_events_total{{{t}}}", 0.0) for t in ("cpu", "disk"))),
+        "store_skipped": int(m.get("tiered_kv_store_skipped_total", 0.0)),
+        # Blocks the cache itself caught (disk checksum) and served as misses.
+        "cache_rejected_blocks": int(
+            sum(m.get(f"tiered_kv_corrupt_blocks_total{{{t}}}", 0.0) for t in ("cpu", "disk"))
+        ),
+        "verified_blocks": s.verified,
+        "corrupt_blocks": s.corrupt,
+        "wall_s": result.wall_s,
+        "capacity": {
+            "bytes_per_block": result.bytes_per_block,
+            "gpu_blocks": result.gpu_blocks,
+            "cpu_slots": result.cpu_slots,
+            "disk_slots": result.disk_slots,
+            "total_blocks": result.total_blocks,
+        },
+        "simulated": {name: {"capacity_blocks": r.capacity_blocks, "hit_rate": r.hit_rate} for name, r in sims.items()},
+    }
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f} ms"
+
+
+def print_report(report: dict[str, Any], console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    r = report
+    hr, hb, cap = r["hit_rate"], r["hit_blocks"], r["capacity"]
+    t = Table(title=f"tiered_kv replay: {r['workload']}", show_header=False)
+    t.add_column("metric", style="bold")
+    t.add_column("value", justify="right")
+    t.add_row("requests / block refs", f"{r['requests']:,} / {r['block_refs']:,}")
+    t.add_row(
+        "capacity (blocks)",
+        f"gpu {cap['gpu_blocks']:,} + cpu {cap['cpu_slots']:,} + disk {cap['disk_slots']:,} = {cap['total_blocks']:,}"
+        f" x {format_size(cap['bytes_per_block'])}",
+    )
+    t.add_row("hit rate (block-weighted, prefix)", f"{hr['total']:.1%}")
+    for tier in ("gpu", "cpu", "disk"):
+        t.add_row(f"  {tier}", f"{hr[tier]:.1%}  ({hb[tier]:,} blocks)")
+    t.add_row("tokens not recomputed", f"{r['tokens_not_recomputed']:,}")
+    for d, x in r["transfers"].items():
+        rate = "-" if x["gb_per_s"] is None else f"{x['gb_per_s']:.2f} GB/s"
+        t.add_row(f"{d}", f"{format_size(x['bytes'])} ({x['blocks']:,} blocks), {rate}")
+    for op in ("load", "store"):
+        lat = r["latency"][op]
+        t.add_row(f"{op} latency p50 / p99", f"{_ms(lat['p50_ms'])} / {_ms(lat['p99_ms'])}  (n={lat['count']:,})")
+    t.add_row("spills / evictions cpu / disk", f"{r['spills']:,} / {r['evictions']['cpu']:,} / {r['evictions']['disk']:,}")
+    t.add_row("degraded events / store skipped", f"{r['degraded_events']} / {r['store_skipped']:,}")
+    t.add_row("rejected by cache checks (misses)", f"{r['cache_rejected_blocks']:,}")
+    t.add_row("verified / corrupt blocks", f"{r['verified_blocks']:,} / {r['corrupt_blocks']:,}")
+    t.add_row("wall time", f"{r['wall_s']:.1f} s")
+    console.print(t)
+
+    sim = Table(title="same requests, same total capacity, single tier (simulated)")
+    sim.add_column("policy")
+    sim.add_column("capacity (blocks)", justify="right")
+    sim.add_column("hit rate", justify="right")
+    sim.add_row("tiered_kv (this replay)", f"{cap['total_blocks']:,}", f"{hr['total']:.1%}")
+    for name, x in r["simulated"].items():
+        sim.add_row(name, f"{x['capacity_blocks']:,}", f"{x['hit_rate']:.1%}")
+    console.print(sim)
+    if r["corrupt_blocks"]:
+        console.print(f"[bold red]{r['corrupt_blocks']} corrupt block(s) were served[/]")

@@ -1,0 +1,264 @@
+"""Replay orchestration: config overrides, the workload, one real replay, simulators, the CLI entry.
+
+``run_replay`` is synchronous: it builds the emulated GPU KV tensors, opens a real
+TieredKVCache over them on its own event loop (uvloop when importable), replays
+the requests and returns a ReplayResult. By default the disk tier lives in a
+fresh ``<tiers.disk.path>/replay-<pid>`` directory removed afterwards, so a
+stale namespace from an earlier run cannot serve disk hits from the first request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..cache import TieredKVCache
+from ..config import Config, load_config
+from ..errors import ConfigError
+from ..layout import KVLayout
+from .engine import EngineEmulator, EngineStats, run_requests
+from .simulate import SimResult, simulate_belady, simulate_lru, simulate_unbounded, unique_blocks
+from .trace import Request, read_trace
+from .workload import chat_workload
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReplayResult:
+    stats: EngineStats
+    metrics: dict[str, float]  # the cache's flat prometheus snapshot after close
+    wall_s: float
+    gpu_blocks: int
+    cpu_slots: int
+    disk_slots: int
+    bytes_per_block: int
+    device: str
+
+    @property
+    def total_blocks(self) -> int:
+        return self.gpu_blocks + self.cpu_slots + self.disk_slots
+
+
+# -- config and workload ---------------------------------------------------------------
+def resolve_config(
+    source: str | os.PathLike[str] | dict | Config | None,
+    *,
+    block_bytes: str | int | None = None,
+    concurrency: int | None = None,
+    speed: float | None = None,
+    max_requests: int | None = None,
+) -> Config:
+    """The config with CLI overrides applied; ``replay.block_bytes`` replaces the model geometry."""
+    data = load_config(source).model_dump()
+    for name, value in (
+        ("block_bytes", block_bytes),
+        ("concurrency", concurrency),
+        ("speed", speed),
+        ("max_requests", max_requests),
+    ):
+        if value is not None:
+            data["replay"][name] = value
+    cfg = load_config(data)  # validates the overrides (ConfigError names replay.<key>)
+    if cfg.replay.block_bytes is not None:
+        m = cfg.model
+        data["model"] = {
+            "model_id": m.model_id,
+            "dtype": m.dtype,
+            "block_tokens": m.block_tokens,
+            "bytes_per_block": cfg.replay.block_bytes,
+        }
+        cfg = load_config(data)
+    return cfg
+
+
+def load_requests(cfg: Config, trace: str | os.PathLike[str] | None = None) -> list[Request]:
+    """The trace (TraceError on a bad line) or the built-in chat workload, capped by replay.max_requests."""
+    cap = cfg.replay.max_requests
+    if trace is not None:
+        return read_trace(trace, max_requests=cap)
+    n = cfg.replay.num_requests if cap is None else min(cap, cfg.replay.num_requests)
+    return chat_workload(n, seed=cfg.replay.seed)
+
+
+def with_disk_path(cfg: Config, path: str) -> Config:
+    data = cfg.model_dump()
+    data["tiers"]["disk"]["path"] = path
+    return load_config(data)
+
+
+def _device(cfg: Config) -> torch.device:
+    name = cfg.gpu.device
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"gpu.device: {name!r} needs CUDA, and torch.cuda.is_available() is False")
+    return dev
+
+
+def make_kv(cfg: Config) -> dict[str, torch.Tensor]:
+    """The emulated engine's KV tensors: one ``[num_blocks, region_bytes]`` uint8 tensor per region."""
+    dev = _device(cfg)
+    n = cfg.gpu.num_blocks
+    return {f"kv{i}": torch.zeros(n, b, dtype=torch.uint8, device=dev) for i, b in enumerate(cfg.model.region_block_bytes())}
+
+
+# -- the replay ---------------------------------------------------------------------------
+async def replay_async(
+    cfg: Config,
+    requests: Sequence[Request],
+    *,
+    on_done: Callable[[], None] | None = None,
+    metrics_port: int | None = None,
+    before_close: Callable[[EngineEmulator], Coroutine[Any, Any, None]] | None = None,
+) -> ReplayResult:
+    """Replay ``requests`` through a real cache; ``cfg.tiers.disk.path`` is used as given."""
+    kv = make_kv(cfg)
+    layout = KVLayout.from_tensors(kv, cfg.gpu.num_blocks)
+    cache = TieredKVCache(cfg, layout)
+    server = None
+    if metrics_port is not None:
+        try:
+            served = cache.metrics.serve(metrics_port)
+        except OSError as exc:
+            raise ConfigError(f"--metrics-port {metrics_port}: cannot serve metrics on 127.0.0.1: {exc}") from exc
+        server = served[0] if isinstance(served, tuple) else None
+    engine: EngineEmulator | None = None
+    try:
+        async with cache:
+            engine = EngineEmulator(cache, layout.regions)
+            t0 = time.perf_counter()
+            await run_requests(
+                engine, requests, concurrency=cfg.replay.concurrency, speed=cfg.replay.speed, on_done=on_done
+            )
+            if before_close is not None:
+                await before_close(engine)
+            stats = cache.stats()
+        wall = time.perf_counter() - t0  # includes draining the background spills at close
+    finally:
+        if engine is not None:
+            engine.close()
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+    return ReplayResult(
+        stats=engine.stats,
+        metrics=cache.metrics.snapshot(),
+        wall_s=wall,
+        gpu_blocks=cfg.gpu.num_blocks,
+        cpu_slots=stats["cpu"]["slots"],
+        disk_slots=stats["disk"]["slots"] if "disk" in stats else 0,
+        bytes_per_block=layout.bytes_per_block,
+        device=str(layout.device),
+    )
+
+
+def run_async(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run ``coro`` on a fresh loop: uvloop when importable, else asyncio's default."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def run_replay(
+    cfg: Config,
+    requests: Sequence[Request],
+    *,
+    keep_disk: bool = False,
+    on_done: Callable[[], None] | None = None,
+    metrics_port: int | None = None,
+) -> ReplayResult:
+    """Replay on a fresh disk directory (removed afterwards) unless ``keep_disk``."""
+    fresh: Path | None = None
+    if cfg.tiers.disk.enabled and not keep_disk:
+        fresh = Path(os.path.expanduser(cfg.tiers.disk.path)) / f"replay-{os.getpid()}"
+        shutil.rmtree(fresh, ignore_errors=True)  # left by a killed run whose pid we now reuse
+        cfg = with_disk_path(cfg, str(fresh))
+    try:
+        return run_async(replay_async(cfg, requests, on_done=on_done, metrics_port=metrics_port))
+    finally:
+        if fresh is not None:
+            shutil.rmtree(fresh, ignore_errors=True)
+            _remove_if_empty(fresh.parent)
+
+
+def _remove_if_empty(path: Path) -> None:
+    try:
+        path.rmdir()  # only when this run created it and nothing else lives there
+    except OSError:
+        pass
+
+
+def simulate(requests: Sequence[Request], capacity_blocks: int) -> dict[str, SimResult]:
+    """Single-tier yardsticks at ``capacity_blocks`` (the replay's gpu + cpu + disk slots)."""
+    return {
+        "lru": simulate_lru(requests, capacity_blocks),
+        "belady": simulate_belady(requests, capacity_blocks),
+        "unbounded": simulate_unbounded(requests),
+    }
+
+
+# -- CLI ------------------------------------------------------------------------------------
+def run_replay_cli(args: argparse.Namespace) -> int:
+    """``tiered-kv replay``: 0 when every loaded block verified, 1 if any was corrupt."""
+    from rich.console import Console
+
+    from .report import build_report, print_report
+
+    cfg = resolve_config(
+        args.config,
+        block_bytes=args.block_bytes,
+        concurrency=args.concurrency,
+        speed=args.speed,
+        max_requests=args.max_requests,
+    )
+    requests = load_requests(cfg, args.trace)
+    keep_disk = bool(getattr(args, "keep_disk", False))
+    console = Console()
+    show_progress = not (args.json or args.no_progress) and console.is_terminal
+    result = _with_progress(
+        console if show_progress else None,
+        len(requests),
+        lambda on_done: run_replay(cfg, requests, keep_disk=keep_disk, on_done=on_done, metrics_port=args.metrics_port),
+    )
+    sims = simulate(requests, result.total_blocks)
+    workload = str(args.trace) if args.trace else f"built-in chat workload (seed {cfg.replay.seed})"
+    report = build_report(result, sims, workload=workload, unique=unique_blocks(requests))
+    if args.plot:
+        from .plot import plot_sweep, sweep
+
+        points = sweep(cfg, requests, keep_disk=keep_disk)
+        plot_sweep(points, args.plot, title=workload)
+        report["plot"] = {"path": str(args.plot), "points": [p.as_dict() for p in points]}
+    if args.json:
+        import json
+
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report, console)
+    return 1 if result.stats.corrupt else 0
+
+
+def _with_progress(console, total: int, body: Callable[[Callable[[], None] | None], ReplayResult]) -> ReplayResult:
+    if console is None:
+        return body(None)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True
+    ) as bar:
+        task = bar.add_task("replay", total=total)
+        return body(lambda: bar.advance(task))
