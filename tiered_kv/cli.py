@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -53,9 +54,13 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 def cmd_disk(args: argparse.Namespace) -> int:
     from .tiers.disk_admin import list_namespaces, remove_namespaces
 
-    infos = list_namespaces(args.path)
+    try:
+        infos = list_namespaces(args.path)
+    except OSError as exc:
+        print(f"error: cannot list {args.path}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     if args.action == "ls":
-        rows = [vars(i) if not hasattr(i, "_asdict") else i._asdict() for i in infos]
+        rows = [dataclasses.asdict(i) for i in infos]
         _emit(args, rows, _render_namespaces)
         return 0
     chosen = [i.dirname for i in infos if args.all or i.dirname in args.names]

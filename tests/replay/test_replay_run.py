@@ -1,0 +1,216 @@
+"""End-to-end replays through a real TieredKVCache, the CLI, corruption detection and the plot."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import tiered_kv as tkv
+from tiered_kv.cli import main
+from tiered_kv.replay.engine import EngineEmulator, GpuPrefixCache, key_patterns, region_rows, run_requests
+from tiered_kv.replay.run import load_requests, make_kv, replay_async, resolve_config, run_replay
+from tiered_kv.replay.trace import Request
+from tiered_kv.tiers.disk_format import DATA_FILE, HEADER_SIZE
+
+TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+BLOCK = 4096
+
+
+def small_config(tmp_path: Path, *, requests: int = 150, gpu: int = 96, cpu: int = 128, disk: int = 512) -> dict:
+    """A replay small enough for CI in which the GPU, CPU and disk tiers each serve hits."""
+    return {
+        "model": {"bytes_per_block": BLOCK},
+        "gpu": {"num_blocks": gpu, "device": "cpu"},
+        "tiers": {
+            "cpu": {"capacity": cpu * BLOCK, "pin_memory": "off"},
+            "disk": {"enabled": True, "path": str(tmp_path / "disk"), "capacity": disk * BLOCK},
+        },
+        "transfer": {"engine": "host"},
+        "replay": {"num_requests": requests, "concurrency": 4, "seed": 1},
+    }
+
+
+def write_config(tmp_path: Path, cfg: dict) -> str:
+    path = tmp_path / "replay.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def run_cli(capsys, argv: list[str]) -> tuple[int, dict]:
+    rc = main(argv)
+    return rc, json.loads(capsys.readouterr().out)
+
+
+# -- end to end through the CLI ---------------------------------------------------------------
+def test_cli_replay_all_tiers_hit_and_json_has_every_field(tmp_path, capsys):
+    cfg = write_config(tmp_path, small_config(tmp_path))
+    rc, rep = run_cli(capsys, ["replay", "--config", cfg, "--json", "--block-bytes", "4KiB"])
+    assert rc == 0
+    for field in (
+        "requests", "block_refs", "hit_rate", "hit_blocks", "tokens_not_recomputed", "transfers", "latency",
+        "spills", "evictions", "degraded_events", "store_skipped", "verified_blocks", "corrupt_blocks",
+        "wall_s", "capacity", "simulated",
+    ):  # fmt: skip
+        assert field in rep, field
+    assert rep["requests"] == 150
+    assert rep["corrupt_blocks"] == 0 and rep["verified_blocks"] > 0
+    hb = rep["hit_blocks"]
+    assert hb["gpu"] > 0 and hb["cpu"] > 0 and hb["disk"] > 0, hb
+    assert rep["verified_blocks"] == hb["cpu"] + hb["disk"]
+    assert rep["tokens_not_recomputed"] == hb["total"] * 512
+    assert 0 < rep["hit_rate"]["total"] <= rep["simulated"]["unbounded"]["hit_rate"] + 1e-9
+    assert set(rep["transfers"]) == {"gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk", "disk_to_cpu"}
+    for d in rep["transfers"].values():
+        assert d["bytes"] > 0 and d["gb_per_s"] > 0
+    assert rep["latency"]["load"]["p99_ms"] >= rep["latency"]["load"]["p50_ms"] > 0
+    assert rep["spills"] > 0 and rep["evictions"]["cpu"] > 0
+    cap = rep["capacity"]
+    assert cap["total_blocks"] == 96 + 128 + 512 == rep["simulated"]["lru"]["capacity_blocks"]
+    # The run's fresh disk directory is gone afterwards.
+    assert not any((tmp_path / "disk").glob("replay-*"))
+
+
+def test_sequential_replay_matches_the_simulators(tmp_path):
+    """With one request at a time, the GPU prefix cache is exactly an LRU of num_blocks."""
+    from tiered_kv.replay.simulate import simulate_lru, simulate_unbounded
+
+    cfg = resolve_config(small_config(tmp_path, requests=120, disk=4096), concurrency=1)
+    reqs = load_requests(cfg)
+    res = run_replay(cfg, reqs)
+    s = res.stats
+    assert s.hits_gpu == simulate_lru(reqs, 96).hit_blocks
+    # CPU + disk hold every block ever stored: the total is the unbounded hit count.
+    assert s.hits_gpu + s.hits_cpu + s.hits_disk == simulate_unbounded(reqs).hit_blocks
+    assert s.corrupt == 0 and s.store_skipped == 0
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="../shared/data/mooncake_synthetic_trace.jsonl is missing")
+def test_mooncake_trace_head_replays(tmp_path, capsys):
+    cfg = write_config(tmp_path, small_config(tmp_path, gpu=256, cpu=512, disk=2048))
+    rc, rep = run_cli(capsys, ["replay", "--config", cfg, "--trace", str(TRACE), "--max-requests", "300", "--json"])
+    assert rc == 0
+    assert rep["requests"] == 300 and rep["corrupt_blocks"] == 0
+    assert rep["hit_blocks"]["total"] > 0 and rep["verified_blocks"] > 0
+
+
+def test_malformed_trace_exits_2_naming_the_line(tmp_path, capsys):
+    trace = tmp_path / "bad.jsonl"
+    good = json.dumps({"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]})
+    trace.write_text(f"{good}\n{good}\n{{not json\n")
+    cfg = write_config(tmp_path, small_config(tmp_path))
+    assert main(["replay", "--config", cfg, "--trace", str(trace), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "bad.jsonl:3" in err
+
+
+def test_bad_block_bytes_is_a_config_error(tmp_path, capsys):
+    cfg = write_config(tmp_path, small_config(tmp_path))
+    assert main(["replay", "--config", cfg, "--block-bytes", "lots"]) == 2
+    assert "replay.block_bytes" in capsys.readouterr().err
+
+
+def test_plot_is_written(tmp_path, capsys):
+    cfg = write_config(tmp_path, small_config(tmp_path, requests=60))
+    png = tmp_path / "sweep.png"
+    rc, rep = run_cli(capsys, ["replay", "--config", cfg, "--json", "--plot", str(png)])
+    assert rc == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    points = rep["plot"]["points"]
+    assert [p["total_blocks"] for p in points] == sorted(p["total_blocks"] for p in points)
+    assert all(p["corrupt"] == 0 and 0 <= p["tiered"] <= 1 for p in points)
+
+
+# -- corruption: caught by us (CPU) or by the disk tier's checks ---------------------------------
+def _reqs(*id_lists: list[int]) -> list[Request]:
+    return [Request(float(i), 512 * len(ids), 1, tuple(ids)) for i, ids in enumerate(id_lists)]
+
+
+async def _open(tmp_path: Path, **tiers) -> tuple[tkv.TieredKVCache, list[torch.Tensor]]:
+    cfg = resolve_config(small_config(tmp_path, **tiers))
+    kv = make_kv(cfg)
+    layout = tkv.KVLayout.from_tensors(kv, cfg.gpu.num_blocks)
+    return await tkv.TieredKVCache(cfg, layout).start(), list(layout.regions)
+
+
+async def test_flipped_cpu_byte_is_counted_corrupt_and_recomputed(tmp_path):
+    cache, regions = await _open(tmp_path, gpu=8, cpu=16, disk=16)
+    try:
+        first = EngineEmulator(cache, regions)
+        req = _reqs([1, 2, 3, 4])[0]
+        await first.run_request(req)
+        first.close()
+        keys = cache.keyer.keys_for_block_ids(req.hash_ids)
+        slot = cache.cpu.ready[keys[2]]
+        cache.slabs.regions[0][slot, 7] ^= 0xFF  # the CPU tier has no checksum: only the emulator can tell
+        fresh = EngineEmulator(cache, regions)  # an empty GPU prefix cache over the same tensors
+        await fresh.run_request(req)
+        s = fresh.stats
+        assert (s.verified, s.corrupt, s.hits_cpu) == (3, 1, 3)
+        gid = fresh.gpu.cached[keys[2]]
+        want = region_rows(key_patterns([keys[2]]), 0, regions[0].shape[1])[0]
+        assert torch.equal(regions[0][gid], want)  # the GPU block was recomputed
+        fresh.close()
+    finally:
+        await cache.aclose()
+
+
+async def test_flipped_disk_byte_is_a_miss_not_corrupt_data(tmp_path):
+    cache, regions = await _open(tmp_path, gpu=8, cpu=8, disk=64)
+    try:
+        engine = EngineEmulator(cache, regions)
+        reqs = _reqs([1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16])
+        await run_requests(engine, reqs, concurrency=1)
+        engine.close()
+        assert cache.stats()["disk"]["resident"] >= 4  # the first requests were spilled
+        data = next((tmp_path / "disk").rglob(DATA_FILE))
+        record = -(-(HEADER_SIZE + BLOCK) // 4096) * 4096
+        raw = bytearray(data.read_bytes())
+        for off in range(HEADER_SIZE + 100, len(raw), record):
+            raw[off] ^= 0xFF
+        data.write_bytes(raw)
+        fresh = EngineEmulator(cache, regions)
+        await fresh.run_request(reqs[0])
+        fresh.close()
+        assert fresh.stats.corrupt == 0 and fresh.stats.hits_disk == 0
+        assert fresh.stats.computed == 4
+        assert cache.metrics.snapshot()["tiered_kv_corrupt_blocks_total{disk}"] >= 1
+    finally:
+        await cache.aclose()
+
+
+# -- pieces ----------------------------------------------------------------------------------------
+def test_gpu_prefix_cache_refs_protect_and_head_is_most_recent():
+    gpu = GpuPrefixCache(4)
+    grant = gpu.try_acquire([b"a", b"b", b"c"])
+    assert grant is not None and grant[0] == 0
+    assert gpu.try_acquire([b"x", b"y"]) is None  # 3 of 4 blocks referenced: nothing changed
+    gpu.finish([b"a", b"b", b"c"], grant[1], publish=True)
+    assert list(gpu.lru) == [grant[1][2], grant[1][1], grant[1][0]]  # tail oldest, head newest
+    n, ids = gpu.try_acquire([b"a", b"x", b"y"])
+    assert n == 1 and b"c" not in gpu.cached and b"b" in gpu.cached  # evicted the tail first
+    gpu.finish([b"a", b"x", b"y"], ids, publish=False)  # a failed request publishes nothing
+    assert b"x" not in gpu.cached and gpu.refs == [0, 0, 0, 0]
+
+
+async def test_metrics_port_serves_and_speed_paces(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = resolve_config(small_config(tmp_path, requests=20), speed=1000.0)
+    reqs = [Request(i * 20.0, 1024, 1, (i, i + 1)) for i in range(20)]  # 380 ms of trace at 1000x
+    scraped = {}
+
+    async def scrape(_engine) -> None:
+        url = f"http://127.0.0.1:{port}/metrics"
+        scraped["body"] = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+
+    res = await replay_async(cfg, reqs, metrics_port=port, before_close=scrape)
+    assert "tiered_kv_bytes_total" in scraped["body"]
+    assert res.stats.requests == 20 and res.wall_s >= 0.38 / 1000

@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiered_kv as tkv
+from tiered_kv.tiers.cpu import CpuSlabs, mem_available
+
+
+def test_one_slab_per_region_with_the_schedulers_slot_count():
+    layout = tkv.KVLayout.from_block_bytes([4096, 300, 64], num_blocks=8)
+    capacity = 10_000_000
+    slots = layout.slots_for(capacity)
+    slabs = CpuSlabs(layout, slots, pin="off")
+    assert slots == capacity // (4096 + 300 + 64)
+    assert [tuple(r.shape) for r in slabs.regions] == [(slots, 4096), (slots, 300), (slots, 64)]
+    assert slabs.nbytes == slots * layout.bytes_per_block  # exact size, no power-of-two rounding
+    parts = slabs.block_parts(3)
+    parts[1][:] = b"\x07" * 300
+    assert torch.all(slabs.regions[1][3] == 7) and int(slabs.regions[1][2].sum()) == 0
+    assert not slabs.pinned
+    slabs.release()
+
+
+def test_pin_on_without_cuda_names_the_setting():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: pinning works")
+    layout = tkv.KVLayout.from_block_bytes([64], num_blocks=4)
+    with pytest.raises(tkv.ConfigError, match="tiers.cpu.pin_memory"):
+        CpuSlabs(layout, 4, pin="on")
+
+
+def test_capacity_beyond_available_memory_names_the_numbers():
+    available = mem_available()
+    if available is None:
+        pytest.skip("no /proc/meminfo")
+    layout = tkv.KVLayout.from_block_bytes([1 << 20], num_blocks=4)
+    with pytest.raises(tkv.ConfigError, match=r"tiers.cpu.capacity: .* only \d+ bytes"):
+        CpuSlabs(layout, available // (1 << 20) + 10, pin="off")
