@@ -130,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT while running")
     p.add_argument("--plot", help="sweep capacities and draw hit rate vs capacity to this PNG")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--keep-disk", action="store_true",
+        help="use tiers.disk.path as is (reuse blocks of earlier runs) instead of a fresh replay-<pid> subdirectory",
+    )
     p = add("bench", cmd_bench, "throughput ratios against the raw operation, in one run")
     p.add_argument("--quick", action="store_true", help="fewer repeats (for tests)")
     p.add_argument("--only", choices=["transfer", "cache", "lookup", "index", "disk", "gpu"], action="append")

@@ -44,7 +44,12 @@ async def store_body(cache: TieredKVCache, op: _Op, keys: Sequence[bytes], gpu_i
     reserved: list[tuple[bytes, int]] = []
     try:
         _reserve_into(cache, todo, reserved)
-        if len(reserved) < len(todo) and not op.cancelled:
+        # Slots freed by our spills can be taken by concurrent stores before we
+        # reserve them; each such steal served another store, so retry while
+        # room can still be made (bounded: a tier pinned full ends it at once).
+        for _ in range(_ROOM_ATTEMPTS):
+            if len(reserved) >= len(todo) or op.cancelled or not _room_possible(cache):
+                break
             await cache.make_cpu_room(len(todo) - len(reserved))
             _reserve_into(cache, todo, reserved)
         if op.cancelled or not reserved:
@@ -80,6 +85,13 @@ async def store_body(cache: TieredKVCache, op: _Op, keys: Sequence[bytes], gpu_i
         cache._budget.release(budget)
         if len(reserved) < len(todo):
             cache.metrics.skipped.inc(len(todo) - len(reserved))
+
+
+_ROOM_ATTEMPTS = 8
+
+
+def _room_possible(cache: TieredKVCache) -> bool:
+    return cache.cpu.free_count > 0 or cache.cpu.evictable > 0 or bool(cache._leaving)
 
 
 def _reserve_into(cache: TieredKVCache, todo: list[tuple[bytes, int]], reserved: list[tuple[bytes, int]]) -> None:

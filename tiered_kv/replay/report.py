@@ -76,7 +76,9 @@ def build_report(
         },
         "spills": int(m.get("tiered_kv_spills_total", 0.0)),
         "evictions": {t: int(m.get(f"tiered_kv_evictions_total{{{t}}}", 0.0)) for t in ("cpu", "disk")},
-        "degraded_events": int(sum(m.get(f"tiered_kv_degraded_events_total{{{t}}}", 0.0) for t in ("cpu", "disk"))),
+        "degraded_events": int(
+            sum(m.get(f"tiered_kv_degraded_events_total{{{t}}}", 0.0) for t in ("cpu", "disk"))
+        ),
         "store_skipped": int(m.get("tiered_kv_store_skipped_total", 0.0)),
         # Blocks the cache itself caught (disk checksum) and served as misses.
         "cache_rejected_blocks": int(
@@ -92,7 +94,9 @@ def build_report(
             "disk_slots": result.disk_slots,
             "total_blocks": result.total_blocks,
         },
-        "simulated": {name: {"capacity_blocks": r.capacity_blocks, "hit_rate": r.hit_rate} for name, r in sims.items()},
+        "simulated": {
+            name: {"capacity_blocks": r.capacity_blocks, "hit_rate": r.hit_rate} for name, r in sims.items()
+        },
     }
 
 
@@ -121,12 +125,17 @@ def print_report(report: dict[str, Any], console=None) -> None:
         t.add_row(f"  {tier}", f"{hr[tier]:.1%}  ({hb[tier]:,} blocks)")
     t.add_row("tokens not recomputed", f"{r['tokens_not_recomputed']:,}")
     for d, x in r["transfers"].items():
-        rate = "-" if x["gb_per_s"] is None else f"{x['gb_per_s']:.2f} GB/s"
+        rate = "-" if x["gb_per_s"] is None else f"{x['gb_per_s']:.3g} GB/s"
         t.add_row(f"{d}", f"{format_size(x['bytes'])} ({x['blocks']:,} blocks), {rate}")
     for op in ("load", "store"):
         lat = r["latency"][op]
-        t.add_row(f"{op} latency p50 / p99", f"{_ms(lat['p50_ms'])} / {_ms(lat['p99_ms'])}  (n={lat['count']:,})")
-    t.add_row("spills / evictions cpu / disk", f"{r['spills']:,} / {r['evictions']['cpu']:,} / {r['evictions']['disk']:,}")
+        t.add_row(
+            f"{op} latency p50 / p99", f"{_ms(lat['p50_ms'])} / {_ms(lat['p99_ms'])}  (n={lat['count']:,})"
+        )
+    t.add_row(
+        "spills / evictions cpu / disk",
+        f"{r['spills']:,} / {r['evictions']['cpu']:,} / {r['evictions']['disk']:,}",
+    )
     t.add_row("degraded events / store skipped", f"{r['degraded_events']} / {r['store_skipped']:,}")
     t.add_row("rejected by cache checks (misses)", f"{r['cache_rejected_blocks']:,}")
     t.add_row("verified / corrupt blocks", f"{r['verified_blocks']:,} / {r['corrupt_blocks']:,}")

@@ -111,7 +111,10 @@ def make_kv(cfg: Config) -> dict[str, torch.Tensor]:
     """The emulated engine's KV tensors: one ``[num_blocks, region_bytes]`` uint8 tensor per region."""
     dev = _device(cfg)
     n = cfg.gpu.num_blocks
-    return {f"kv{i}": torch.zeros(n, b, dtype=torch.uint8, device=dev) for i, b in enumerate(cfg.model.region_block_bytes())}
+    return {
+        f"kv{i}": torch.zeros(n, b, dtype=torch.uint8, device=dev)
+        for i, b in enumerate(cfg.model.region_block_bytes())
+    }
 
 
 # -- the replay ---------------------------------------------------------------------------
@@ -132,7 +135,9 @@ async def replay_async(
         try:
             served = cache.metrics.serve(metrics_port)
         except OSError as exc:
-            raise ConfigError(f"--metrics-port {metrics_port}: cannot serve metrics on 127.0.0.1: {exc}") from exc
+            raise ConfigError(
+                f"--metrics-port {metrics_port}: cannot serve metrics on 127.0.0.1: {exc}"
+            ) from exc
         server = served[0] if isinstance(served, tuple) else None
     engine: EngineEmulator | None = None
     try:
@@ -232,7 +237,9 @@ def run_replay_cli(args: argparse.Namespace) -> int:
     result = _with_progress(
         console if show_progress else None,
         len(requests),
-        lambda on_done: run_replay(cfg, requests, keep_disk=keep_disk, on_done=on_done, metrics_port=args.metrics_port),
+        lambda on_done: run_replay(
+            cfg, requests, keep_disk=keep_disk, on_done=on_done, metrics_port=args.metrics_port
+        ),
     )
     sims = simulate(requests, result.total_blocks)
     workload = str(args.trace) if args.trace else f"built-in chat workload (seed {cfg.replay.seed})"
@@ -252,13 +259,20 @@ def run_replay_cli(args: argparse.Namespace) -> int:
     return 1 if result.stats.corrupt else 0
 
 
-def _with_progress(console, total: int, body: Callable[[Callable[[], None] | None], ReplayResult]) -> ReplayResult:
+def _with_progress(
+    console, total: int, body: Callable[[Callable[[], None] | None], ReplayResult]
+) -> ReplayResult:
     if console is None:
         return body(None)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(
-        TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True
+        TextColumn("replay"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
     ) as bar:
         task = bar.add_task("replay", total=total)
         return body(lambda: bar.advance(task))
