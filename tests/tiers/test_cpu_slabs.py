@@ -15,6 +15,7 @@ def test_one_slab_per_region_with_the_schedulers_slot_count():
     assert slots == capacity // (4096 + 300 + 64)
     assert [tuple(r.shape) for r in slabs.regions] == [(slots, 4096), (slots, 300), (slots, 64)]
     assert slabs.nbytes == slots * layout.bytes_per_block  # exact size, no power-of-two rounding
+    slabs.regions[1].zero_()  # slabs are not zeroed: a slot is written before it is ever READY
     parts = slabs.block_parts(3)
     parts[1][:] = b"\x07" * 300
     assert torch.all(slabs.regions[1][3] == 7) and int(slabs.regions[1][2].sum()) == 0
