@@ -22,6 +22,9 @@ from .index import TierIndex
 from .layout import KVLayout
 
 _WORKING_SET = 64 << 20
+# The raw op runs torch's OpenMP team on this thread; its threads spin for a
+# while after each op and would steal the 2 cores from the run that follows.
+_SETTLE_S = 0.05
 
 
 def _keys(n: int, salt: str = "") -> list[bytes]:
@@ -63,6 +66,7 @@ async def _cache_round(block_bytes: int, batch: int, repeats: int, concurrency: 
             torch.index_select(gpu, 0, raw_src_idx[i], out=slab[i * batch : (i + 1) * batch])
         raw_store = time.perf_counter() - t0
         slab.zero_()
+        await asyncio.sleep(_SETTLE_S)
 
         t0 = time.perf_counter()
         results = await asyncio.gather(
@@ -77,6 +81,7 @@ async def _cache_round(block_bytes: int, batch: int, repeats: int, concurrency: 
         for i in range(repeats):
             torch.index_select(slab, 0, slot_idx[i], out=raw_dst)
         raw_load = time.perf_counter() - t0
+        await asyncio.sleep(_SETTLE_S)
 
         t0 = time.perf_counter()
         loaded = await asyncio.gather(

@@ -4,7 +4,8 @@ Hit rates are block-weighted under prefix semantics, as in the simulators: a
 block counts as a hit only inside the leading run a request found (GPU first,
 then CPU/disk), and only when its bytes verified. GB/s per direction is bytes
 over the summed wall time of the copies (concurrent copies overlap, so it is a
-per-copy rate, not the machine's aggregate).
+per-copy rate, not the machine's aggregate); ``run_gb_per_s`` is bytes over the
+whole replay's wall time.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def build_report(
             "bytes": int(nbytes),
             "seconds": secs,
             "gb_per_s": nbytes / secs / 1e9 if secs > 0 else None,
+            "run_gb_per_s": nbytes / result.wall_s / 1e9 if result.wall_s > 0 else None,
         }
     return {
         "workload": workload,
@@ -125,7 +127,7 @@ def print_report(report: dict[str, Any], console=None) -> None:
         t.add_row(f"  {tier}", f"{hr[tier]:.1%}  ({hb[tier]:,} blocks)")
     t.add_row("tokens not recomputed", f"{r['tokens_not_recomputed']:,}")
     for d, x in r["transfers"].items():
-        rate = "-" if x["gb_per_s"] is None else f"{x['gb_per_s']:.3g} GB/s"
+        rate = "-" if x["gb_per_s"] is None else f"{x['gb_per_s']:.3g} GB/s per copy, {x['run_gb_per_s']:.3g} over the run"
         t.add_row(f"{d}", f"{format_size(x['bytes'])} ({x['blocks']:,} blocks), {rate}")
     for op in ("load", "store"):
         lat = r["latency"][op]
