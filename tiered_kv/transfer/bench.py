@@ -57,6 +57,7 @@ async def _bench_size(block_bytes: int, batch: int, repeats: int, gen: torch.Gen
     rows = max(2 * batch, _WORKING_SET // block_bytes)
     gpu = torch.randint(0, 256, (rows, block_bytes), dtype=torch.uint8, generator=gen)
     cpu = torch.zeros((rows, block_bytes), dtype=torch.uint8)
+    cpu.fill_(1)  # fault every page in now: otherwise the first (raw) pass pays the page faults alone
     starts = [(i * batch) % (rows - batch + 1) for i in range(repeats)]
     slots = [list(range(a, a + batch)) for a in starts]
     slot_idx = [torch.tensor(s) for s in slots]
