@@ -16,7 +16,7 @@ re-verifies header, key, slot, length and payload checksum; bad data is a miss (
 Concurrency: reads and writes issued together are coalesced into batches (``_Batcher``), one executor job
 per batch, up to ``io_threads`` batches at once (1 for buffered writes); a batch journals its invalidations
 in one record write and its commits in another. One executor round trip per block would cost as much as a
-256 KiB pwrite itself. The journal (disk_admin.Journal) is touched only by executor threads holding its
+256 KiB pwrite itself. The journal (disk_journal.Journal) is touched only by executor threads holding its
 lock; the event loop only queues invalidations and counts stats, so it never waits on that lock. A cancelled ``read``/``write``
 still waits for its executor work before re-raising: cancelling an await does not stop a pwritev/preadv
 into the caller's buffers.
@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import aiofiles.os
 
 from tiered_kv.errors import ConfigError, DiskError, LayoutError
-from tiered_kv.tiers.disk_admin import Journal, prepare_namespace_dir
+from tiered_kv.tiers.disk_admin import prepare_namespace_dir
 from tiered_kv.tiers.disk_format import (
     DATA_FILE,
     DiskNamespace,
@@ -49,6 +49,7 @@ from tiered_kv.tiers.disk_format import (
     read_record,
     write_record,
 )
+from tiered_kv.tiers.disk_journal import Journal
 
 __all__ = ["DiskNamespace", "DiskStore", "RecoveredBlock"]
 
