@@ -34,9 +34,9 @@ def config(tmp_path=None, *, cpu_blocks=16, disk_blocks=0, policy="lru", spill="
     cfg = {
         "model": {"bytes_per_block": BLOCK},
         "gpu": {"num_blocks": num_blocks},
-        "tiers": {"cpu": {"capacity": cpu_blocks * BLOCK, "pin_memory": "off"}, "disk": {"enabled": False}},
+        "tiers": {"cpu": {"capacity": cpu_blocks * BLOCK, "pin_memory": "auto"}, "disk": {"enabled": False}},
         "eviction": {"policy": policy},
-        "transfer": {"engine": "host"},
+        "transfer": {"engine": "auto"},
     }
     if inflight:
         cfg["transfer"]["max_inflight_bytes"] = inflight

@@ -12,8 +12,8 @@ def keys_for(cache, ids):
     return cache.keyer.keys_for_block_ids(ids)
 
 
-async def test_round_trip_is_byte_exact_and_leaves_other_blocks_alone():
-    kv = make_kv()
+async def test_round_trip_is_byte_exact_and_leaves_other_blocks_alone(device):
+    kv = make_kv(device=device)
     async with cache_for(kv, config()) as cache:
         keys = keys_for(cache, range(8))
         for i, key in enumerate(keys):
@@ -32,8 +32,8 @@ async def test_round_trip_is_byte_exact_and_leaves_other_blocks_alone():
         cache.check_invariants()
 
 
-async def test_lookup_is_a_leading_run_and_stops_at_a_miss():
-    kv = make_kv()
+async def test_lookup_is_a_leading_run_and_stops_at_a_miss(device):
+    kv = make_kv(device=device)
     async with cache_for(kv, config()) as cache:
         keys = keys_for(cache, range(6))
         await cache.store([keys[0], keys[1], keys[3]], [0, 1, 3])
@@ -42,8 +42,8 @@ async def test_lookup_is_a_leading_run_and_stops_at_a_miss():
         assert cache.lookup([]) == tkv.LookupResult()
 
 
-async def test_store_dedupes_resident_keys_and_copies_nothing():
-    kv = make_kv()
+async def test_store_dedupes_resident_keys_and_copies_nothing(device):
+    kv = make_kv(device=device)
     async with cache_for(kv, config()) as cache:
         keys = keys_for(cache, range(4))
         for i, key in enumerate(keys):
@@ -57,8 +57,8 @@ async def test_store_dedupes_resident_keys_and_copies_nothing():
         assert await cache.load(keys[:1], [10]) == 1 and holds(kv, 10, keys[0])
 
 
-async def test_full_tier_evicts_tail_first_and_serves_only_exact_bytes():
-    kv = make_kv()
+async def test_full_tier_evicts_tail_first_and_serves_only_exact_bytes(device):
+    kv = make_kv(device=device)
     async with cache_for(kv, config(cpu_blocks=8)) as cache:
         a = keys_for(cache, [1, 2, 3, 4])  # request A: head 1, tail 4
         b = keys_for(cache, [10, 11, 12, 13, 14, 15])
@@ -73,8 +73,8 @@ async def test_full_tier_evicts_tail_first_and_serves_only_exact_bytes():
         cache.check_invariants()
 
 
-async def test_store_larger_than_tier_keeps_leading_keys_and_reports_skipped():
-    kv = make_kv()
+async def test_store_larger_than_tier_keeps_leading_keys_and_reports_skipped(device):
+    kv = make_kv(device=device)
     async with cache_for(kv, config(cpu_blocks=4)) as cache:
         keys = keys_for(cache, range(10))
         for i, key in enumerate(keys):
@@ -87,8 +87,8 @@ async def test_store_larger_than_tier_keeps_leading_keys_and_reports_skipped():
         assert all(holds(kv, 20 + i, keys[i]) for i in range(4))
 
 
-async def test_pinned_blocks_are_never_evicted_during_a_load():
-    kv = make_kv()
+async def test_pinned_blocks_are_never_evicted_during_a_load(device):
+    kv = make_kv(device=device)
     async with cache_for(kv, config(cpu_blocks=4)) as cache:
         keys = keys_for(cache, range(8))
         for i, key in enumerate(keys):
@@ -103,8 +103,8 @@ async def test_pinned_blocks_are_never_evicted_during_a_load():
         cache.check_invariants()
 
 
-async def test_arg_errors_and_closed_cache():
-    kv = make_kv()
+async def test_arg_errors_and_closed_cache(device):
+    kv = make_kv(device=device)
     cache = cache_for(kv, config())
     with pytest.raises(tkv.CacheClosedError):
         await cache.store([b"x" * 32], [0])
@@ -120,11 +120,11 @@ async def test_arg_errors_and_closed_cache():
         await cache.load([b"a" * 32], [0])
 
 
-def test_unbound_layout_and_capacity_below_one_block():
+def test_unbound_layout_and_capacity_below_one_block(device):
     layout = tkv.KVLayout.from_block_bytes([1024], 64)
     with pytest.raises(tkv.LayoutError, match="bound"):
         tkv.TieredKVCache(config(), layout)
-    kv = make_kv()
+    kv = make_kv(device=device)
     bound = tkv.KVLayout.from_tensors(kv, 64)
     cfg = config()
     cfg["model"] = {"bytes_per_block": 512}
@@ -133,8 +133,8 @@ def test_unbound_layout_and_capacity_below_one_block():
         tkv.TieredKVCache(cfg, bound)
 
 
-async def test_backpressure_bounds_bytes_in_flight():
-    kv = make_kv()
+async def test_backpressure_bounds_bytes_in_flight(device):
+    kv = make_kv(device=device)
     async with cache_for(kv, config(cpu_blocks=64, inflight=4 * 1024)) as cache:
         peak = 0
         stop = False
@@ -154,8 +154,8 @@ async def test_backpressure_bounds_bytes_in_flight():
         assert cache.lookup(keys).total == 48
 
 
-async def test_stats_and_metrics_are_counters():
-    kv = make_kv()
+async def test_stats_and_metrics_are_counters(device):
+    kv = make_kv(device=device)
     async with cache_for(kv, config()) as cache:
         keys = keys_for(cache, range(4))
         await cache.store(keys, [0, 1, 2, 3])

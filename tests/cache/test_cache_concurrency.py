@@ -17,9 +17,9 @@ def slab_holds(cache, slot: int, key: bytes) -> bool:
 
 
 @pytest.mark.parametrize("with_disk", [False, True], ids=["cpu-only", "cpu+disk"])
-async def test_random_cancellation_during_1000_concurrent_operations(tmp_path, with_disk):
+async def test_random_cancellation_during_1000_concurrent_operations(tmp_path, with_disk, device):
     rng = random.Random(1234)
-    kv = make_kv(64)
+    kv = make_kv(64, device)
     cfg = config(tmp_path, cpu_blocks=12, disk_blocks=24 if with_disk else 0, inflight=8 * 1024)
     async with cache_for(kv, cfg) as cache:
         keys = cache.keyer.keys_for_block_ids(range(32))
@@ -69,8 +69,8 @@ async def test_random_cancellation_during_1000_concurrent_operations(tmp_path, w
         cache.check_invariants()
 
 
-async def test_cancelled_store_frees_its_slots_only_after_the_copy():
-    kv = make_kv(64)
+async def test_cancelled_store_frees_its_slots_only_after_the_copy(device):
+    kv = make_kv(64, device)
     async with cache_for(kv, config(cpu_blocks=8)) as cache:
         keys = cache.keyer.keys_for_block_ids(range(8))
         for i, key in enumerate(keys):
@@ -90,8 +90,8 @@ async def test_cancelled_store_frees_its_slots_only_after_the_copy():
         assert (await cache.store(keys, list(range(8)))).stored == 8
 
 
-async def test_aclose_drains_in_flight_work():
-    kv = make_kv(64)
+async def test_aclose_drains_in_flight_work(device):
+    kv = make_kv(64, device)
     cache = cache_for(kv, config(cpu_blocks=32))
     await cache.start()
     keys = cache.keyer.keys_for_block_ids(range(32))

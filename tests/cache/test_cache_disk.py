@@ -25,8 +25,8 @@ async def assert_loads_exact(cache, kv, keys, target=63):
         assert holds(kv, target, key)
 
 
-async def test_write_back_spills_evicted_blocks_and_promotes_them(tmp_path):
-    kv = make_kv(64)
+async def test_write_back_spills_evicted_blocks_and_promotes_them(tmp_path, device):
+    kv = make_kv(64, device)
     async with cache_for(kv, config(tmp_path, cpu_blocks=4, disk_blocks=32)) as cache:
         keys = cache.keyer.keys_for_block_ids(range(20))
         await store_all(cache, kv, keys)
@@ -43,8 +43,8 @@ async def test_write_back_spills_evicted_blocks_and_promotes_them(tmp_path):
         cache.check_invariants()
 
 
-async def test_multi_block_load_mixes_tiers_in_one_call(tmp_path):
-    kv = make_kv(64)
+async def test_multi_block_load_mixes_tiers_in_one_call(tmp_path, device):
+    kv = make_kv(64, device)
     async with cache_for(kv, config(tmp_path, cpu_blocks=8, disk_blocks=32)) as cache:
         keys = cache.keyer.keys_for_block_ids(range(12))
         await store_all(cache, kv, keys)
@@ -53,8 +53,8 @@ async def test_multi_block_load_mixes_tiers_in_one_call(tmp_path):
         assert all(holds(kv, 40 + i, keys[i]) for i in range(6))
 
 
-async def test_write_through_and_restart_recovery(tmp_path):
-    kv = make_kv(64)
+async def test_write_through_and_restart_recovery(tmp_path, device):
+    kv = make_kv(64, device)
     cfg = config(tmp_path, cpu_blocks=16, disk_blocks=32, spill="write_through")
     async with cache_for(kv, cfg) as cache:
         keys = cache.keyer.keys_for_block_ids(range(10))
@@ -62,28 +62,28 @@ async def test_write_through_and_restart_recovery(tmp_path):
         while cache._tasks:  # write-through spills run in the background
             await asyncio.sleep(0.001)
         assert cache.stats()["disk"]["resident"] == 10
-    kv2 = make_kv(64)
+    kv2 = make_kv(64, device)
     async with cache_for(kv2, cfg) as cache:
         assert cache.recovered_blocks == 10
         assert cache.lookup(keys).disk == 10
         await assert_loads_exact(cache, kv2, keys)
 
 
-async def test_other_model_never_reads_these_blocks(tmp_path):
-    kv = make_kv(64)
+async def test_other_model_never_reads_these_blocks(tmp_path, device):
+    kv = make_kv(64, device)
     cfg = config(tmp_path, cpu_blocks=4, disk_blocks=32, spill="write_through")
     async with cache_for(kv, cfg) as cache:
         keys = cache.keyer.keys_for_block_ids(range(6))
         await store_all(cache, kv, keys)
     other = dict(cfg, model={"bytes_per_block": 1024, "model_id": "another-model"})
-    async with cache_for(make_kv(64), other) as cache:
+    async with cache_for(make_kv(64, device), other) as cache:
         assert cache.recovered_blocks == 0
         assert cache.lookup(keys).total == 0
         assert cache.lookup(cache.keyer.keys_for_block_ids(range(6))).total == 0
 
 
-async def test_flipped_bytes_on_disk_are_misses_never_data(tmp_path):
-    kv = make_kv(64)
+async def test_flipped_bytes_on_disk_are_misses_never_data(tmp_path, device):
+    kv = make_kv(64, device)
     cfg = config(tmp_path, cpu_blocks=4, disk_blocks=32)
     async with cache_for(kv, cfg) as cache:
         keys = cache.keyer.keys_for_block_ids(range(16))
@@ -98,7 +98,7 @@ async def test_flipped_bytes_on_disk_are_misses_never_data(tmp_path):
             byte = f.read(1)
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([byte[0] ^ 0xFF]))
-    async with cache_for(make_kv(64), cfg) as cache:
+    async with cache_for(make_kv(64, device), cfg) as cache:
         for key in keys:
             if key not in on_disk:
                 continue
@@ -124,8 +124,8 @@ def tiny_fs(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
-async def test_full_disk_degrades_the_tier_and_cpu_keeps_serving(tmp_path, tiny_fs):
-    kv = make_kv(64)
+async def test_full_disk_degrades_the_tier_and_cpu_keeps_serving(tmp_path, tiny_fs, device):
+    kv = make_kv(64, device)
     cfg = config(tmp_path, cpu_blocks=8, disk_blocks=200)
     cfg["tiers"]["disk"]["path"] = str(tiny_fs)
     async with cache_for(kv, cfg) as cache:
