@@ -40,7 +40,7 @@ def run_all(sections: list[str] | None, quick: bool) -> dict[str, Any]:
     if "transfer" in want:
         from .transfer.bench import bench_transfer
 
-        out["transfer"] = bench_transfer(repeats=4 if quick else 20) if not quick else bench_transfer((16 << 10,), repeats=4)
+        out["transfer"] = bench_transfer((16 << 10,), repeats=4) if quick else bench_transfer()
     if "gpu" in want or sections is None:
         from .bench_gpu import bench_gpu
 

@@ -65,7 +65,6 @@ class TieredKVCache:
         self._write_through = cfg.tiers.disk.spill_policy == "write_through"
         self._budget = ByteBudget(cfg.transfer.max_inflight_bytes)
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._leaving: set[int] = set()  # CPU slots evicted but pinned: freed at the last unpin
         self.slabs: CpuSlabs | None = None
         self._engine = None
         self._state = "new"
@@ -222,16 +221,13 @@ class TieredKVCache:
         self.unpin_cpu_many([slot])
 
     def unpin_cpu_many(self, slots: list[int]) -> None:
-        unpin, leaving = self.cpu.unpin, self._leaving
+        # An evicted block still being read or spilled stays READY but detached from the
+        # policy; the last unpin frees its slot.
+        unpin, detached = self.cpu.unpin, self.cpu.detached
         for slot in slots:
-            if unpin(slot) == 0 and slot in leaving:
-                self.unpin_cpu_finish(slot)
-
-    def unpin_cpu_finish(self, slot: int) -> None:
-        """The last pin of an evicted block is gone: its slot is free at last."""
-        self._leaving.discard(slot)
-        self.cpu.drop(slot)
-        self.metrics.evicted["cpu"].inc()
+            if unpin(slot) == 0 and slot in detached:
+                self.cpu.drop(slot)
+                self.metrics.evicted["cpu"].inc()
 
     def _needs_spill(self, key: bytes) -> bool:
         return self.disk is not None and self.disk.writable and not self.disk.holds(key)
@@ -244,8 +240,7 @@ class TieredKVCache:
             key = self.cpu.slot_key[slot]
             if key is not None and self._needs_spill(key):
                 # Still READY and servable while its only copy is written out.
-                self.cpu.pin(slot)
-                self._leaving.add(slot)
+                self.cpu.pin(slot)  # detached by evict(): the last unpin frees it
                 spills.append(self.spawn(self.spill(slot, key)))
             else:
                 self.cpu.drop(slot)

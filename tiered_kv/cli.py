@@ -22,8 +22,8 @@ def _emit(args: argparse.Namespace, payload: Any, render) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from .capacity import plan, render_plan
     from .config import load_config
-    from .plan import plan, render_plan
 
     _emit(args, plan(load_config(args.config)), render_plan)
     return 0

@@ -110,6 +110,6 @@ async def _promote(
             cpu_pins.remove(slot)
             cpu.unpin(slot)
             cpu.abort(slot)
-            disk.drop_if_unpinned(plan[i][1])
+            disk.drop_if_unpinned(plan[i][1], plan[i][0])
             run = min(run, i)
     return run

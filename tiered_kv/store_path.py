@@ -91,7 +91,7 @@ _ROOM_ATTEMPTS = 8
 
 
 def _room_possible(cache: TieredKVCache) -> bool:
-    return cache.cpu.free_count > 0 or cache.cpu.evictable > 0 or bool(cache._leaving)
+    return cache.cpu.free_count > 0 or cache.cpu.evictable > 0 or bool(cache.cpu.detached)
 
 
 def _reserve_into(cache: TieredKVCache, todo: list[tuple[bytes, int]], reserved: list[tuple[bytes, int]]) -> None:

@@ -115,10 +115,10 @@ class DiskTier:
             self.metrics.corrupted["disk"].inc()
         return ok
 
-    def drop_if_unpinned(self, slot: int) -> None:
-        """Forget a block that failed its check (once nobody else is reading it)."""
+    def drop_if_unpinned(self, slot: int, key: bytes) -> None:
+        """Forget a block that failed its check, once nobody else is reading it."""
         idx = self.index
-        if idx.state[slot] and idx.pins[slot] == 0 and idx.slot_key[slot] in idx.ready:
+        if idx.pins[slot] == 0 and idx.ready.get(key) == slot:
             self._drop(slot)
 
     def _drop(self, slot: int) -> None:
