@@ -46,10 +46,18 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
+# The model_id a config gets when it names none. Blocks are only as trustworthy as the
+# namespace they are filed under, so a disk tier (which outlives the process) refuses it.
+PLACEHOLDER_MODEL_ID = "demo-model"
+
+
 class ModelConfig(_Section):
     """Geometry of the KV cache: either ``bytes_per_block`` or the full shape."""
 
-    model_id: str = Field("demo-model", min_length=1)
+    # Must change whenever the weights change: KV computed by other weights is wrong KV.
+    model_id: str = Field(PLACEHOLDER_MODEL_ID, min_length=1)
+    revision: str = ""  # e.g. a checkpoint hash; part of every key and of the disk namespace
+    allow_placeholder_id: bool = False  # let a disk tier run under the placeholder model_id
     dtype: Literal[tuple(DTYPE_BYTES)] = "float16"  # type: ignore[valid-type]
     block_tokens: int = Field(16, gt=0)
     bytes_per_block: ByteSize | None = None
@@ -161,6 +169,17 @@ class Config(_Section):
     @model_validator(mode="after")
     def _capacities_hold_a_block(self) -> Config:
         check_capacities(self, self.bytes_per_block)
+        return self
+
+    @model_validator(mode="after")
+    def _disk_needs_a_real_model_id(self) -> Config:
+        m = self.model
+        if self.tiers.disk.enabled and m.model_id == PLACEHOLDER_MODEL_ID and not m.allow_placeholder_id:
+            raise ValueError(
+                f"model.model_id: the disk tier outlives this process, so its blocks need the real model id, "
+                f"not the placeholder {PLACEHOLDER_MODEL_ID!r}; set model.model_id (and model.revision) to "
+                f"values that change whenever the weights change, or set model.allow_placeholder_id: true"
+            )
         return self
 
 

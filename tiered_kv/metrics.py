@@ -7,7 +7,11 @@ A frontend serves ``cache.metrics.registry`` with its own HTTP stack, or calls
 
 from __future__ import annotations
 
+import logging
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger("tiered_kv")
 
 TIERS = ("cpu", "disk")
 DIRECTIONS = ("gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk", "disk_to_cpu")
@@ -27,6 +31,9 @@ class CacheMetrics:
         self.spills = Counter("tiered_kv_spills", "Blocks written from CPU to disk", registry=r)
         self.skipped = Counter("tiered_kv_store_skipped", "Blocks a store could not place", registry=r)
         self.corrupt = Counter("tiered_kv_corrupt_blocks", "Blocks dropped on a failed check", ["tier"], registry=r)
+        self.dropped = Counter(
+            "tiered_kv_dropped_blocks", "Blocks the cache gave up on because of an error", ["tier", "cause"], registry=r
+        )
         self.degraded = Counter("tiered_kv_degraded_events", "Tier faults that disabled writes", ["tier"], registry=r)
         self.inflight_bytes = Gauge("tiered_kv_inflight_bytes", "Bytes of copies in flight", registry=r)
         self.used_slots = Gauge("tiered_kv_used_slots", "Slots holding or receiving a block", ["tier"], registry=r)
@@ -43,10 +50,23 @@ class CacheMetrics:
             d: (self.blocks.labels(d), self.bytes.labels(d), self.seconds.labels(d)) for d in DIRECTIONS
         }
         self.op_latency = {op: self.latency.labels(op) for op in ("load", "store")}
+        self._drop_causes_logged: set[tuple[str, str]] = set()
 
     def track_used_slots(self, tier: str, used) -> None:
         """Read the slot count at scrape time instead of updating a gauge on every move."""
         self.used_slots.labels(tier).set_function(used)
+
+    def drop(self, tier: str, cause: str, n: int = 1, detail: str = "") -> None:
+        """Count blocks dropped because of an error; log at WARNING once per (tier, cause)."""
+        if n <= 0:
+            return
+        self.dropped.labels(tier, cause).inc(n)
+        if (tier, cause) not in self._drop_causes_logged:
+            self._drop_causes_logged.add((tier, cause))
+            log.warning(
+                "tiered_kv %s tier dropped %d block(s): %s%s (logged once per cause; see tiered_kv_dropped_blocks)",
+                tier, n, cause, f" ({detail})" if detail else "",
+            )
 
     def moved(self, direction: str, nblocks: int, nbytes: int, seconds: float) -> None:
         blocks, nbytes_c, secs = self._moved[direction]

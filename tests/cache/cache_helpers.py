@@ -32,7 +32,7 @@ def holds(kv, gpu_id: int, key: bytes) -> bool:
 
 def config(tmp_path=None, *, cpu_blocks=16, disk_blocks=0, policy="lru", spill="write_back", inflight=None, num_blocks=64):
     cfg = {
-        "model": {"bytes_per_block": BLOCK},
+        "model": {"model_id": "test-model", "bytes_per_block": BLOCK},
         "gpu": {"num_blocks": num_blocks},
         "tiers": {"cpu": {"capacity": cpu_blocks * BLOCK, "pin_memory": "auto"}, "disk": {"enabled": False}},
         "eviction": {"policy": policy},

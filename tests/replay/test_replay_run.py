@@ -28,7 +28,7 @@ def small_config(
 ) -> dict:
     """A replay small enough for CI in which the GPU, CPU and disk tiers each serve hits."""
     return {
-        "model": {"bytes_per_block": BLOCK},
+        "model": {"model_id": "replay-test", "bytes_per_block": BLOCK},
         "gpu": {"num_blocks": gpu, "device": "cpu"},
         "tiers": {
             "cpu": {"capacity": cpu * BLOCK, "pin_memory": "off"},

@@ -104,7 +104,7 @@ def test_unwritable_disk_path(tmp_path):
 
 
 def test_missing_but_creatable_disk_path_is_fine(tmp_path):
-    cfg = tkv.load_config({"tiers": {"disk": {"enabled": True, "path": str(tmp_path / "a" / "b")}}})
+    cfg = tkv.load_config({"model": {"model_id": "m", "bytes_per_block": 4096}, "tiers": {"disk": {"enabled": True, "path": str(tmp_path / "a" / "b")}}})
     assert cfg.tiers.disk.path.endswith("b")
     assert not (tmp_path / "a").exists()  # validation has no side effects
 
@@ -157,3 +157,12 @@ def test_property_random_yaml_text_only_raises_config_error(tmp_path_factory, te
         tkv.load_config(path)
     except tkv.ConfigError:
         pass
+
+
+def test_disk_tier_refuses_the_placeholder_model_id(tmp_path):
+    disk = {"enabled": True, "path": str(tmp_path / "d")}
+    with pytest.raises(tkv.ConfigError, match="model.model_id.*placeholder 'demo-model'"):
+        tkv.load_config({"tiers": {"disk": disk}})
+    ok = tkv.load_config({"model": {"allow_placeholder_id": True, "bytes_per_block": 4096}, "tiers": {"disk": disk}})
+    assert ok.model.model_id == "demo-model"
+    assert tkv.load_config({}).tiers.disk.enabled is False  # no disk tier: the placeholder is harmless

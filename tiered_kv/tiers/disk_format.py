@@ -76,6 +76,8 @@ class DiskNamespace:
     layout_digest: str
     bytes_per_block: int
     key_bytes: int  # 32 (sha256) or 16 (xxh3-128)
+    revision: str = ""  # the model revision (weights change -> another namespace)
+    shard: str = ""  # the engine's shard, e.g. "tp1of2": ranks never read each other's shards
 
     def __post_init__(self) -> None:
         for name in ("model_id", "dtype", "layout_digest"):
