@@ -6,18 +6,22 @@ checksummed disk tier, and come back on a prefix hit. See README.md.
 
 from .config import Config, load_config
 from .errors import (
+    BlockIdError,
     CacheClosedError,
     ConfigError,
     DiskError,
+    KeyFormatError,
     LayoutError,
     PinningError,
     TieredKVError,
     TraceError,
     TransferError,
 )
+from .identity import make_keyer, resolve_geometry, shard_name
 from .index import LookupResult
 from .keys import BlockKeyer, KeyNamespace
 from .layout import KVLayout, StorageSpec, plan_regions
+from .layout_tensors import TensorSpec
 from .metrics import CacheMetrics
 from .sizes import parse_size
 
@@ -34,6 +38,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "BlockIdError",
     "BlockKeyer",
     "CacheClosedError",
     "CacheMetrics",
@@ -41,17 +46,22 @@ __all__ = [
     "ConfigError",
     "DiskError",
     "KVLayout",
+    "KeyFormatError",
     "KeyNamespace",
     "LayoutError",
     "LookupResult",
     "PinningError",
     "StorageSpec",
+    "TensorSpec",
     "StoreResult",
     "TieredKVCache",
     "TieredKVError",
     "TraceError",
     "TransferError",
     "load_config",
+    "make_keyer",
     "parse_size",
     "plan_regions",
+    "resolve_geometry",
+    "shard_name",
 ]

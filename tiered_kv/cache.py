@@ -16,17 +16,19 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from .backpressure import ByteBudget
+from .capacity import tier_slots
 from .config import Config, check_capacities, load_config
-from .errors import CacheClosedError, LayoutError, TransferError
+from .errors import BlockIdError, CacheClosedError, KeyFormatError, LayoutError
+from .identity import disk_namespace, make_keyer
+from .ids import check_block_ids
 from .index import LookupResult, TierIndex
-from .keys import BlockKeyer, KeyNamespace
+from .keys import check_keys, key_problem
 from .layout import KVLayout
 from .load_path import load_body
 from .metrics import CacheMetrics
 from .store_path import StoreResult, store_body
 from .tiers.cpu import CpuSlabs
 from .tiers.disk import DiskTier
-from .tiers.disk_store import DiskNamespace
 from .transfer import make_engine
 
 log = logging.getLogger(__name__)
@@ -34,61 +36,118 @@ T = TypeVar("T")
 
 
 class _Op:
-    __slots__ = ("cancelled",)
+    __slots__ = ("cancelled", "idle")
 
     def __init__(self) -> None:
         self.cancelled = False
+        self.idle = False  # True while the move holds nothing and issued no copy: safe to cancel outright
+
+
+async def finish_uncancelled(fut: asyncio.Future[Any]) -> None:
+    """Wait until ``fut`` is done, absorbing our own cancellation meanwhile (the caller re-raises)."""
+    while not fut.done():
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            continue
+        except BaseException:
+            break
 
 
 class TieredKVCache:
-    """Async context manager over a bound KVLayout (see layout.KVLayout.from_tensors)."""
+    """Async context manager over a bound KVLayout (see layout.KVLayout.from_tensors).
 
-    def __init__(self, config: Config | str | dict | None, layout: KVLayout, *, metrics: CacheMetrics | None = None):
+    ``rank``/``world_size`` (or an engine-supplied ``shard_id``) name the engine's
+    shard of the KV: each shard has its own keys and its own disk namespace.
+    """
+
+    def __init__(
+        self,
+        config: Config | str | dict | None,
+        layout: KVLayout,
+        *,
+        metrics: CacheMetrics | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        shard_id: str | None = None,
+    ):
         self.config = cfg = load_config(config)
-        if not layout.is_bound:
+        if not isinstance(layout, KVLayout) or not layout.is_bound:
             raise LayoutError("TieredKVCache needs a layout bound to the KV tensors (KVLayout.from_tensors or bind)")
         check_capacities(cfg, layout.bytes_per_block)
         self.layout = layout
         self.metrics = metrics or CacheMetrics()
-        self.keyer = BlockKeyer(
-            KeyNamespace(cfg.model.model_id, cfg.model.dtype, layout.digest, cfg.model.block_tokens, cfg.keys.tenant_salt),
-            cfg.keys.hash,
-        )
-        self.cpu = TierIndex("cpu", layout.slots_for(cfg.tiers.cpu.capacity), cfg.eviction.policy)
+        # The geometry check, the keys and the slot counts come from the same functions a
+        # scheduler process uses (identity.make_keyer, capacity.tier_slots).
+        self.keyer = make_keyer(cfg, layout, rank=rank, world_size=world_size, shard_id=shard_id)
+        self._key_bytes = self.keyer.key_bytes
+        slots = tier_slots(cfg, layout)
+        self.cpu = TierIndex("cpu", slots["cpu"], cfg.eviction.policy)
         self.metrics.track_used_slots("cpu", lambda: self.cpu.used)
-        self.disk: DiskTier | None = None
-        if cfg.tiers.disk.enabled:
-            ns = DiskNamespace(
-                cfg.model.model_id, cfg.model.dtype, layout.digest, layout.bytes_per_block, self.keyer.key_bytes
-            )
-            self.disk = DiskTier(cfg.tiers.disk, layout, ns, cfg.eviction.policy, self.metrics)
+        self.disk: DiskTier | None = None  # built by start(), so that a failed start can be retried
+        self._disk_ns = disk_namespace(self.keyer, layout) if cfg.tiers.disk.enabled else None
         self._write_through = cfg.tiers.disk.spill_policy == "write_through"
         self._budget = ByteBudget(cfg.transfer.max_inflight_bytes)
         self._tasks: set[asyncio.Task[Any]] = set()
         self.slabs: CpuSlabs | None = None
         self._engine = None
+        self._disk_open = False
         self._state = "new"
+        self._starting: asyncio.Future[None] | None = None
+        self._closing: asyncio.Future[None] | None = None
         self.recovered_blocks = 0
 
     # -- lifecycle --------------------------------------------------------------------
     async def start(self) -> TieredKVCache:
-        if self._state != "new":
+        """Allocate the CPU tier, start the copy engine, open the disk tier: all of it or nothing.
+
+        A failure or a cancellation releases everything taken so far; a later
+        ``start()`` may try again. ``start()`` after ``aclose()`` raises.
+        """
+        if self._state == "open":
             return self
+        if self._state in ("closing", "closed"):
+            raise CacheClosedError(f"start() on a TieredKVCache that is {self._state}; build a new one")
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self._open_all())
+        starting = self._starting
+        try:
+            await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            # Opening runs on in an executor; wait for it, then undo it: all or nothing.
+            await finish_uncancelled(starting)
+            if self._state == "open":
+                await finish_uncancelled(asyncio.ensure_future(self._release_all()))
+                self._state = "new"
+            raise
+        finally:
+            if self._starting is starting and starting.done():
+                self._starting = None
+        if self._state != "open":
+            raise CacheClosedError(f"TieredKVCache is {self._state} after start()")
+        return self
+
+    async def _open_all(self) -> None:
         cfg = self.config.tiers.cpu
         loop = asyncio.get_running_loop()
-        # Allocating and pinning a large slab takes seconds: keep it off the loop.
-        self.slabs = await loop.run_in_executor(
-            None, lambda: CpuSlabs(self.layout, self.cpu.num_slots, pin=cfg.pin_memory, pin_chunk=cfg.pin_chunk)
-        )
+        self._state = "starting"
         try:
+            # Allocating and pinning a large slab takes seconds: keep it off the loop.
+            self.slabs = await loop.run_in_executor(
+                None, lambda: CpuSlabs(self.layout, self.cpu.num_slots, pin=cfg.pin_memory, pin_chunk=cfg.pin_chunk)
+            )
             self._engine = make_engine(self.config.transfer.engine, list(self.layout.regions), self.slabs.regions)
-            if self.disk is not None:
+            if self._disk_ns is not None:
+                cfg = self.config
+                self.disk = DiskTier(cfg.tiers.disk, self.layout, self._disk_ns, cfg.eviction.policy, self.metrics)
                 self.recovered_blocks = await self.disk.open()
+                self._disk_open = True
         except BaseException:
-            self.slabs.release()
+            await finish_uncancelled(asyncio.ensure_future(self._release_all()))
+            self.disk = None
+            self._state = "new"
             raise
         self._state = "open"
-        return self
 
     async def __aenter__(self) -> TieredKVCache:
         return await self.start()
@@ -97,24 +156,39 @@ class TieredKVCache:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Drain every in-flight move, then release threads, files and pinned memory. Idempotent."""
-        if self._state in ("closing", "closed"):
-            while self._state == "closing":
-                await asyncio.sleep(0.005)
-            return
-        was_open = self._state == "open"
+        """Drain every in-flight move, then release threads, files and pinned memory. Idempotent.
+
+        The close runs as a task of its own: a cancelled caller leaves it running, and
+        a second caller waits for the same task. Slabs are released only after the
+        copy engine has drained, never while a copy may still touch them.
+        """
+        if self._closing is None:
+            if self._starting is not None:
+                await finish_uncancelled(self._starting)
+            self._closing = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
         self._state = "closing"
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await self._release_all()
+        self._state = "closed"
+
+    async def _release_all(self) -> None:
+        """Release what start() took, in reverse; each step only after the copies it guards are done."""
+        drained = self._engine is None
         try:
-            while self._tasks:
-                await asyncio.gather(*list(self._tasks), return_exceptions=True)
-            if was_open:
-                await self._engine.aclose()
-                if self.disk is not None:
-                    await self.disk.aclose()
+            if self._engine is not None:
+                await self._engine.aclose()  # waits for every copy first
+            drained = True
+            if self.disk is not None and self._disk_open:
+                self._disk_open = False
+                await self.disk.aclose()
         finally:
-            if self.slabs is not None:
+            if self.slabs is not None and drained:  # never unregister memory a copy may still touch
                 self.slabs.release()
-            self._state = "closed"
+                self.slabs = None
 
     def _check_open(self) -> None:
         if self._state != "open":
@@ -122,7 +196,14 @@ class TieredKVCache:
 
     # -- control path -------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
-        """Longest leading run of resident keys, per tier; no I/O, O(len(keys))."""
+        """Longest leading run of resident keys, per tier; no I/O, O(len(keys)).
+
+        Every key it examines is validated (the hits, which were validated when
+        stored, and the key that ends the run); KeyFormatError for a bad one.
+        """
+        self._check_open()
+        if isinstance(keys, (bytes, bytearray, str)) or not isinstance(keys, Sequence):
+            check_keys(keys, self._key_bytes)
         cpu_ready = self.cpu.ready
         disk_ready = self.disk.index.ready if self.disk is not None else {}
         n_cpu = n_disk = 0
@@ -133,6 +214,8 @@ class TieredKVCache:
             elif key in disk_ready:
                 n_disk += 1
             else:
+                if type(key) is not bytes or len(key) != self._key_bytes:
+                    raise KeyFormatError(key_problem(key, self._key_bytes, f"keys[{n_cpu + n_disk}]"))
                 in_flight = key in self.cpu.pending or (self.disk is not None and key in self.disk.index.pending)
                 break
         m = self.metrics
@@ -143,6 +226,8 @@ class TieredKVCache:
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Mark resident keys as used, last first, so a prefix's head is the most recent."""
+        self._check_open()
+        check_keys(keys, self._key_bytes)
         for key in reversed(keys):
             slot = self.cpu.ready.get(key)
             if slot is not None:
@@ -171,26 +256,32 @@ class TieredKVCache:
     # -- data path ----------------------------------------------------------------------
     async def store(self, keys: Sequence[bytes], gpu_block_ids: Sequence[int]) -> StoreResult:
         """Copy the GPU blocks of keys not yet resident into CPU slots."""
-        self._check_args(keys, gpu_block_ids)
-        return await self._run(lambda op: store_body(self, op, keys, gpu_block_ids), "store")
+        ids = self._check_args(keys, gpu_block_ids)
+        keys = list(keys)
+        return await self._run(lambda op: store_body(self, op, keys, ids), "store")
 
     async def load(self, keys: Sequence[bytes], gpu_block_ids: Sequence[int]) -> int:
         """Load the leading resident keys into the GPU blocks; returns how many were loaded."""
-        self._check_args(keys, gpu_block_ids)
-        return await self._run(lambda op: load_body(self, op, keys, gpu_block_ids), "load")
+        ids = self._check_args(keys, gpu_block_ids)
+        keys = list(keys)
+        return await self._run(lambda op: load_body(self, op, keys, ids), "load")
 
-    def _check_args(self, keys: Sequence[bytes], gpu_block_ids: Sequence[int]) -> None:
+    def _check_args(self, keys: Sequence[bytes], gpu_block_ids: Sequence[int]) -> list[int]:
+        """Validate a call before anything is reserved; returns the block ids as plain ints."""
         self._check_open()
-        if len(keys) != len(gpu_block_ids):
-            raise TransferError(f"{len(keys)} keys but {len(gpu_block_ids)} gpu_block_ids")
-        if len(set(gpu_block_ids)) != len(gpu_block_ids):
-            raise TransferError("gpu_block_ids contains duplicates")
-        n = self.layout.num_blocks
-        for gid in gpu_block_ids:
-            if not 0 <= gid < n:
-                raise TransferError(f"gpu block id {gid} is out of range [0, {n})")
+        check_keys(keys, self._key_bytes)
+        ids = check_block_ids(gpu_block_ids, self.layout.num_blocks)
+        if len(keys) != len(ids):
+            raise BlockIdError(f"{len(keys)} keys but {len(ids)} gpu_block_ids")
+        return ids
 
     async def _run(self, body: Callable[[_Op], Awaitable[T]], op_name: str) -> T:
+        """Run a move as a task the cache owns; the caller waits for it, cancelled or not.
+
+        On cancellation the flag stops the move before its next copy, and the caller
+        still waits (shielded) until the copies already issued into or out of its
+        GPU blocks have landed: the engine reuses those blocks the moment we return.
+        """
         op = _Op()
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -199,6 +290,9 @@ class TieredKVCache:
             result = await asyncio.shield(task)
         except asyncio.CancelledError:
             op.cancelled = True
+            if op.idle:  # waiting for budget: nothing reserved, nothing copying
+                task.cancel()
+            await finish_uncancelled(task)
             raise
         self.metrics.op_latency[op_name].observe(loop.time() - t0)
         return result

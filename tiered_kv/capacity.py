@@ -9,27 +9,34 @@ from .layout import KVLayout
 from .sizes import format_size
 
 
-def plan(cfg: Config) -> dict[str, Any]:
-    """The scheduler's view: the same layout object gives every tier its slot count."""
-    layout = KVLayout.from_block_bytes(cfg.model.region_block_bytes(), cfg.gpu.num_blocks)
+def tier_slots(cfg: Config, layout: KVLayout) -> dict[str, int]:
+    """Slots of every enabled offload tier: the one code path ``plan`` and ``TieredKVCache`` share."""
+    slots = {"cpu": layout.slots_for(cfg.tiers.cpu.capacity)}
+    if cfg.tiers.disk.enabled:
+        slots["disk"] = layout.slots_for(cfg.tiers.disk.capacity)
+    return slots
+
+
+def plan(cfg: Config, layout: KVLayout | None = None) -> dict[str, Any]:
+    """The scheduler's view: the same layout object gives every tier its slot count.
+
+    Without a layout, the config's model geometry stands in for the engine's tensors.
+    """
+    if layout is None:
+        layout = KVLayout.from_block_bytes(cfg.model.region_block_bytes(), cfg.gpu.num_blocks)
     bpb = layout.bytes_per_block
     tokens = cfg.model.block_tokens
     tiers: list[dict[str, Any]] = [
         {
             "tier": "gpu",
-            "capacity_bytes": cfg.gpu.num_blocks * bpb,
-            "slots": cfg.gpu.num_blocks,
-            "tokens": cfg.gpu.num_blocks * tokens,
+            "capacity_bytes": layout.num_blocks * bpb,
+            "slots": layout.num_blocks,
+            "tokens": layout.num_blocks * tokens,
         }
     ]
-    for name, tier_cfg, enabled in (
-        ("cpu", cfg.tiers.cpu, True),
-        ("disk", cfg.tiers.disk, cfg.tiers.disk.enabled),
-    ):
-        if not enabled:
-            continue
-        slots = layout.slots_for(tier_cfg.capacity)
-        tiers.append({"tier": name, "capacity_bytes": tier_cfg.capacity, "slots": slots, "tokens": slots * tokens})
+    for name, slots in tier_slots(cfg, layout).items():
+        capacity = getattr(cfg.tiers, name).capacity
+        tiers.append({"tier": name, "capacity_bytes": capacity, "slots": slots, "tokens": slots * tokens})
     return {
         "model_id": cfg.model.model_id,
         "dtype": cfg.model.dtype,

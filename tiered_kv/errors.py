@@ -18,6 +18,14 @@ class LayoutError(TieredKVError, ValueError):
     """Raised when KV tensor geometry is inconsistent; the message names the numbers."""
 
 
+class KeyFormatError(TieredKVError, ValueError):
+    """Raised when a block key is not ``bytes`` of the keyer's length (or an upstream id is not 64-bit)."""
+
+
+class BlockIdError(TieredKVError, ValueError):
+    """Raised when GPU block ids are not distinct ints in ``[0, num_blocks)``, or do not match the keys."""
+
+
 class TransferError(TieredKVError):
     """Raised when a copy between GPU and CPU fails."""
 

@@ -23,22 +23,31 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from .errors import ConfigError
+from .errors import ConfigError, KeyFormatError
 
 HASHES = ("sha256", "xxh3_128")
 
 
 @dataclass(frozen=True)
 class KeyNamespace:
+    """Everything a block's bytes depend on besides its tokens; folded into the first key.
+
+    ``shard`` names the engine's slice of the KV (e.g. ``tp1of2``): two tensor-
+    parallel ranks hold different heads for the same tokens, so their keys differ.
+    """
+
     model_id: str
     dtype: str
     layout_digest: str
     block_tokens: int
     tenant_salt: str = ""
+    revision: str = ""
+    shard: str = ""
 
     def seed_bytes(self) -> bytes:
-        fields = [self.model_id, self.dtype, self.layout_digest, self.block_tokens, self.tenant_salt]
-        return json.dumps(["tiered-kv-keys-v1", *fields]).encode()
+        fields = [self.model_id, self.revision, self.dtype, self.layout_digest, self.block_tokens, self.shard,
+                  self.tenant_salt]  # fmt: skip
+        return json.dumps(["tiered-kv-keys-v2", *fields]).encode()
 
 
 class BlockKeyer:
@@ -78,9 +87,40 @@ class BlockKeyer:
         return keys
 
     def keys_for_block_ids(self, block_ids: Iterable[int], parent: bytes | None = None) -> list[bytes]:
-        """Keys for a sequence whose blocks are already identified upstream (e.g. Mooncake hash_ids)."""
+        """Keys for a sequence whose blocks are already identified upstream (e.g. Mooncake hash_ids).
+
+        Ids are 64-bit hashes, signed or unsigned (``-1`` and ``2**64 - 1`` are the same hash).
+        """
         keys = []
+        root, digest = self._root, self._digest
         for block_id in block_ids:
-            parent = self.chain(parent, (block_id,))
+            if isinstance(block_id, bool) or not isinstance(block_id, (int, np.integer)):
+                raise KeyFormatError(f"upstream block id must be an int, got {type(block_id).__name__} {block_id!r}")
+            value = int(block_id)
+            if not -(1 << 63) <= value < (1 << 64):
+                raise KeyFormatError(f"upstream block id {value} does not fit in 64 bits")
+            parent = digest((parent or root) + (value & _U64).to_bytes(8, "little"))
             keys.append(parent)
         return keys
+
+    def check(self, keys: Sequence[bytes], what: str = "keys") -> None:
+        """Raise KeyFormatError unless every key is ``bytes`` of this keyer's length."""
+        check_keys(keys, self.key_bytes, what)
+
+
+_U64 = (1 << 64) - 1
+
+
+def check_keys(keys: Sequence[bytes], key_bytes: int, what: str = "keys") -> None:
+    """Raise KeyFormatError unless ``keys`` is a sequence of ``bytes`` of ``key_bytes`` each."""
+    if isinstance(keys, (bytes, bytearray, str)) or not isinstance(keys, Sequence):
+        raise KeyFormatError(f"{what} must be a sequence of bytes keys, got {type(keys).__name__}")
+    for i, key in enumerate(keys):
+        if type(key) is not bytes or len(key) != key_bytes:
+            raise KeyFormatError(key_problem(key, key_bytes, f"{what}[{i}]"))
+
+
+def key_problem(key: object, key_bytes: int, where: str) -> str:
+    if not isinstance(key, bytes):
+        return f"{where} is a {type(key).__name__}, not bytes: keys come from cache.keyer"
+    return f"{where} is {len(key)} bytes, expected {key_bytes}: keys come from cache.keyer (keys.hash)"

@@ -5,19 +5,27 @@ A GPU allocator rounds each KV allocation up (4 KiB in vLLM), so a storage's
 the logical size; the physical size is only checked to be large enough
 (vLLM PR #54021: a quotient over the physical size turned 4 KiB of padding
 into 31 bogus regions and the worker held fewer slots than the scheduler).
+
+A layout is unambiguous or refused: dim 0 must be exactly ``num_blocks``
+unless the caller declares otherwise (``block_dim`` for ``[2, num_blocks, ...]``,
+``rows_per_block`` for several rows per block). Guessing is how a stacked
+K-then-V tensor once moved V pages into the wrong blocks.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from .errors import LayoutError
+from .layout_tensors import Declared, TensorSpec, group_by_storage, logical_size
 
-_DIGEST_VERSION = "tkv-layout-v1"
+_DIGEST_VERSION = "tkv-layout-v2"
 
 
 def plan_regions(storage_nbytes: int, logical_nbytes: int, num_blocks: int, block_bytes: int) -> int:
@@ -73,23 +81,35 @@ class KVLayout:
     ``region_block_bytes[i]`` is the bytes one block occupies in region i; a
     block's full size is their sum, ``bytes_per_block``. ``regions`` holds
     uint8 views ``[num_blocks, block_bytes]`` when bound to tensors.
+    ``tensors`` describes what the engine registered (names, order, dtypes,
+    shapes, strides); it is what the digest identifies, and ``spec()`` carries
+    it to a scheduler process that holds no tensors.
     """
 
     num_blocks: int
     storages: tuple[StorageSpec, ...]
     region_block_bytes: tuple[int, ...]
     regions: tuple[torch.Tensor, ...] = field(default=(), compare=False, repr=False)
+    tensors: tuple[TensorSpec, ...] = ()
+    block_tokens: int | None = None  # tokens per block, when the engine says
 
     # -- construction -------------------------------------------------------------
     @classmethod
-    def from_specs(cls, specs: Sequence[StorageSpec], num_blocks: int) -> KVLayout:
+    def from_specs(
+        cls,
+        specs: Sequence[StorageSpec],
+        num_blocks: int,
+        *,
+        tensors: Sequence[TensorSpec] = (),
+        block_tokens: int | None = None,
+    ) -> KVLayout:
         """The scheduler-side layout: sizes only, no tensors."""
         if not specs:
             raise LayoutError("a KV layout needs at least one storage")
         region_bytes: list[int] = []
         for spec in specs:
             region_bytes += [spec.block_bytes] * spec.regions(num_blocks)
-        return cls(num_blocks, tuple(specs), tuple(region_bytes))
+        return cls(num_blocks, tuple(specs), tuple(region_bytes), (), tuple(tensors), block_tokens)
 
     @classmethod
     def from_block_bytes(cls, region_block_bytes: Sequence[int], num_blocks: int) -> KVLayout:
@@ -103,19 +123,34 @@ class KVLayout:
         kv_caches: Mapping[str, torch.Tensor],
         num_blocks: int,
         logical_sizes: Sequence[int] | Mapping[str, int] | None = None,
+        *,
+        block_dim: Declared = None,
+        rows_per_block: Declared = None,
+        block_tokens: int | None = None,
     ) -> KVLayout:
         """Register real KV tensors, each storage once, viewed over its logical bytes.
 
+        Dim 0 of each tensor must be exactly ``num_blocks`` unless declared:
+        ``block_dim`` (an int for every tensor, or per name) names the dim that
+        counts blocks, e.g. 1 for ``[2, num_blocks, ...]`` (K then V); every dim
+        before it splits the tensor into separate regions. ``rows_per_block``
+        says how many consecutive rows of the block dim make one block. A dim 0
+        of ``num_blocks`` while another dim also equals ``num_blocks`` is
+        ambiguous and must be declared too.
+
         ``logical_sizes`` are the scheduler's per-storage byte sizes, in order of
         first appearance (a sequence) or by the name of any tensor on that
-        storage (a mapping). Without them the logical extent is what the views
-        cover, never ``untyped_storage().nbytes()``.
+        storage (a mapping). They must equal what the registered views cover:
+        never ``untyped_storage().nbytes()``, never more than the views reach.
         """
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise LayoutError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        if not kv_caches:
-            raise LayoutError("kv_caches is empty")
-        groups = _group_by_storage(kv_caches, num_blocks)
+        if block_tokens is not None and (isinstance(block_tokens, bool) or not isinstance(block_tokens, int)
+                                         or block_tokens <= 0):  # fmt: skip
+            raise LayoutError(f"block_tokens must be a positive int, got {block_tokens!r}")
+        if not isinstance(kv_caches, Mapping) or not kv_caches:
+            raise LayoutError("kv_caches must be a non-empty mapping of name -> tensor")
+        groups, tensor_specs = group_by_storage(kv_caches, num_blocks, block_dim, rows_per_block)
         if isinstance(logical_sizes, Sequence) and len(logical_sizes) != len(groups):
             raise LayoutError(
                 f"logical_sizes has {len(logical_sizes)} entries but the tensors use {len(groups)} distinct storages"
@@ -123,35 +158,72 @@ class KVLayout:
         specs: list[StorageSpec] = []
         views: list[torch.Tensor] = []
         for i, group in enumerate(groups):
-            logical = _logical_size(group, i, logical_sizes)
-            spec = StorageSpec(logical, group.block_bytes, group.storage.nbytes())
-            n_regions = spec.regions(num_blocks)
+            logical = logical_size(group, i, logical_sizes)
             if group.extent > logical:
                 raise LayoutError(
                     f"tensor {group.names[0]!r} reaches byte {group.extent} of its storage, past the logical "
                     f"size {logical}"
                 )
+            if logical > group.extent:
+                raise LayoutError(
+                    f"logical size {logical} of the storage of tensor {group.names[0]!r} exceeds the "
+                    f"{group.extent} bytes its registered tensors cover (was the padded, physical size passed?)"
+                )
+            spec = StorageSpec(logical, group.block_bytes, group.storage.nbytes())
+            n_regions = spec.regions(num_blocks)
             flat = torch.empty(0, dtype=torch.uint8, device=group.device)
             # The view covers exactly the logical bytes: padding is never a region.
             flat.set_(group.storage, 0, (logical,), (1,))
             views += list(flat.view(n_regions, num_blocks, group.block_bytes).unbind(0))
             specs.append(spec)
         region_bytes = tuple(v.shape[1] for v in views)
-        return cls(num_blocks, tuple(specs), region_bytes, tuple(views))
+        return cls(num_blocks, tuple(specs), region_bytes, tuple(views), tuple(tensor_specs), block_tokens)
 
     def bind(
         self,
         kv_caches: Mapping[str, torch.Tensor],
         logical_sizes: Sequence[int] | Mapping[str, int] | None = None,
+        **declared: Any,
     ) -> KVLayout:
         """Bind this scheduler-side layout to real tensors; they must agree exactly."""
-        bound = KVLayout.from_tensors(kv_caches, self.num_blocks, logical_sizes)
-        if bound.bytes_per_block != self.bytes_per_block or bound.digest != self.digest:
+        declared.setdefault("block_tokens", self.block_tokens)
+        bound = KVLayout.from_tensors(kv_caches, self.num_blocks, logical_sizes, **declared)
+        if bound.region_block_bytes != self.region_block_bytes:
             raise LayoutError(
-                f"tensors give bytes_per_block={bound.bytes_per_block} (digest {bound.digest}) but the "
-                f"scheduler planned bytes_per_block={self.bytes_per_block} (digest {self.digest})"
+                f"tensors give bytes_per_block={bound.bytes_per_block} ({bound.num_regions} regions) but the "
+                f"scheduler planned bytes_per_block={self.bytes_per_block} ({self.num_regions} regions)"
+            )
+        if self.tensors and bound.digest != self.digest:
+            raise LayoutError(
+                f"tensors give layout digest {bound.digest} but the scheduler planned {self.digest}: names, order, "
+                f"dtypes or shapes differ"
             )
         return bound
+
+    # -- a tensor-free description for another process -------------------------------
+    def spec(self) -> dict[str, Any]:
+        """JSON-able description; ``KVLayout.from_spec`` rebuilds it (same digest) without tensors."""
+        return {
+            "version": _DIGEST_VERSION,
+            "num_blocks": self.num_blocks,
+            "block_tokens": self.block_tokens,
+            "storages": [[s.logical_nbytes, s.block_bytes] for s in self.storages],
+            "tensors": [t.as_list() for t in self.tensors],
+        }
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> KVLayout:
+        try:
+            if spec["version"] != _DIGEST_VERSION:
+                raise LayoutError(f"layout spec version {spec['version']!r}, expected {_DIGEST_VERSION!r}")
+            storages = [StorageSpec(int(n), int(b)) for n, b in spec["storages"]]
+            tensors = [TensorSpec.from_list(t) for t in spec["tensors"]]
+            return cls.from_specs(storages, int(spec["num_blocks"]), tensors=tensors,
+                                  block_tokens=spec.get("block_tokens"))  # fmt: skip
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, LayoutError):
+                raise
+            raise LayoutError(f"malformed layout spec: {exc!r}") from None
 
     # -- the numbers --------------------------------------------------------------
     @property
@@ -171,9 +243,21 @@ class KVLayout:
         return self.regions[0].device if self.regions else torch.device("cpu")
 
     @property
+    def dtype(self) -> str | None:
+        """The KV element type, when every tensor has the same one (raw byte tensors carry none)."""
+        names = {t.dtype for t in self.tensors if t.dtype != "uint8"}
+        return names.pop() if len(names) == 1 else None
+
+    @property
     def digest(self) -> str:
-        """Short digest of the per-block geometry (independent of num_blocks)."""
-        text = _DIGEST_VERSION + ";" + ",".join(str(b) for b in self.region_block_bytes)
+        """Short digest of what the engine registered, independent of num_blocks.
+
+        It covers every region's block bytes and every tensor's name, order,
+        dtype, per-block shape and strides, and declarations, so a renamed,
+        reordered or reshaped layout files its blocks under another namespace.
+        """
+        doc = [_DIGEST_VERSION, list(self.region_block_bytes), [t.digest_part() for t in self.tensors]]
+        text = json.dumps(doc, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def slots_for(self, capacity_bytes: int) -> int:
@@ -181,62 +265,3 @@ class KVLayout:
         if capacity_bytes < 0:
             raise LayoutError(f"capacity must not be negative, got {capacity_bytes}")
         return capacity_bytes // self.bytes_per_block
-
-
-@dataclass
-class _StorageGroup:
-    storage: torch.UntypedStorage
-    device: torch.device
-    block_bytes: int
-    names: list[str]
-    extent: int  # highest byte any view reaches, from the storage start
-
-
-def _group_by_storage(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> list[_StorageGroup]:
-    groups: dict[tuple[str, int], _StorageGroup] = {}
-    for name, tensor in kv_caches.items():
-        if not isinstance(tensor, torch.Tensor):
-            raise LayoutError(f"kv_caches[{name!r}] is a {type(tensor).__name__}, not a tensor")
-        if tensor.dim() == 0 or tensor.shape[0] == 0 or tensor.shape[0] % num_blocks:
-            dim0 = tensor.shape[0] if tensor.dim() else 0
-            raise LayoutError(
-                f"tensor {name!r}: dim 0 is {dim0}, not a whole multiple of num_blocks={num_blocks}"
-            )
-        if not tensor.is_contiguous():
-            raise LayoutError(f"tensor {name!r} is not contiguous; block rows must be dense")
-        elem = tensor.element_size()
-        block_bytes = tensor.numel() * elem // num_blocks
-        offset = tensor.storage_offset() * elem
-        region_bytes = num_blocks * block_bytes
-        if offset % region_bytes:
-            raise LayoutError(
-                f"tensor {name!r} starts at byte {offset} of its storage, not on a region boundary "
-                f"(num_blocks * block_bytes = {region_bytes})"
-            )
-        storage = tensor.untyped_storage()
-        gkey = (str(tensor.device), storage.data_ptr())
-        group = groups.get(gkey)
-        if group is None:
-            groups[gkey] = _StorageGroup(storage, tensor.device, block_bytes, [name], offset + region_bytes)
-            continue
-        if group.block_bytes != block_bytes:
-            raise LayoutError(
-                f"tensors {group.names[0]!r} and {name!r} share a storage but have {group.block_bytes} and "
-                f"{block_bytes} bytes per block"
-            )
-        group.names.append(name)
-        group.extent = max(group.extent, offset + region_bytes)
-    return list(groups.values())
-
-
-def _logical_size(group: _StorageGroup, index: int, logical_sizes: Sequence[int] | Mapping[str, int] | None) -> int:
-    if logical_sizes is None:
-        return group.extent
-    if isinstance(logical_sizes, Mapping):
-        found = {logical_sizes[n] for n in group.names if n in logical_sizes}
-        if not found:
-            raise LayoutError(f"logical_sizes has no entry for storage of tensor {group.names[0]!r}")
-        if len(found) > 1:
-            raise LayoutError(f"logical_sizes disagree for tensors sharing a storage: {sorted(found)}")
-        return found.pop()
-    return logical_sizes[index]

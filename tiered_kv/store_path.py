@@ -39,7 +39,11 @@ async def store_body(cache: TieredKVCache, op: _Op, keys: Sequence[bytes], gpu_i
 
     bpb = cache.layout.bytes_per_block
     budget = len(todo) * bpb
-    await cache._budget.acquire(budget)
+    op.idle = True  # nothing reserved yet: a cancel may interrupt the wait for budget outright
+    try:
+        await cache._budget.acquire(budget)
+    finally:
+        op.idle = False
     slots: list[int] = []
     reserved: list[tuple[bytes, int]] = []
     try:

@@ -109,11 +109,11 @@ async def test_arg_errors_and_closed_cache(device):
     with pytest.raises(tkv.CacheClosedError):
         await cache.store([b"x" * 32], [0])
     async with cache:
-        with pytest.raises(tkv.TransferError, match="2 keys but 1"):
+        with pytest.raises(tkv.BlockIdError, match="2 keys but 1"):
             await cache.store([b"a" * 32, b"b" * 32], [0])
-        with pytest.raises(tkv.TransferError, match="out of range"):
+        with pytest.raises(tkv.BlockIdError, match="out of range"):
             await cache.load([b"a" * 32], [64])
-        with pytest.raises(tkv.TransferError, match="duplicates"):
+        with pytest.raises(tkv.BlockIdError, match="duplicates"):
             await cache.store([b"a" * 32, b"b" * 32], [1, 1])
     await cache.aclose()  # idempotent
     with pytest.raises(tkv.CacheClosedError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -94,29 +95,36 @@ def test_region_views_alias_the_kv_tensors():
     assert torch.all(k[1] == 0)
 
 
-def test_sub_block_multiples():
-    # dim 0 = 3 * num_blocks: three physical sub-blocks per logical block
+def test_sub_block_multiples_must_be_declared():
+    # dim 0 = 3 * num_blocks: three physical sub-blocks per logical block, said by the caller
     t = torch.zeros(12, 10, dtype=torch.uint8)
-    layout = KVLayout.from_tensors({"x": t}, 4)
+    with pytest.raises(tkv.LayoutError, match=r"dim 0 is 12, expected num_blocks \* rows_per_block = 4 \* 1 = 4.*rows_per_block"):
+        KVLayout.from_tensors({"x": t}, 4)
+    layout = KVLayout.from_tensors({"x": t}, 4, rows_per_block=3)
     assert layout.bytes_per_block == 30
     layout.regions[0][1].fill_(1)
     assert t[3:6].sum() == 30 and t[:3].sum() == 0 and t[6:].sum() == 0
 
 
 def test_dim0_not_a_multiple_raises():
-    with pytest.raises(tkv.LayoutError, match="dim 0 is 10.*num_blocks=4"):
+    with pytest.raises(tkv.LayoutError, match="dim 0 is 10, expected num_blocks"):
         KVLayout.from_tensors({"x": torch.zeros(10, 8)}, 4)
 
 
-def test_logical_size_that_does_not_divide_raises():
+def test_logical_size_beyond_what_the_views_cover_raises_naming_both():
+    # e.g. the padded (physical) size passed by mistake: it used to add a bogus region
     storage = torch.zeros(4096, dtype=torch.uint8)
-    with pytest.raises(tkv.LayoutError, match="100 bytes"):
+    with pytest.raises(tkv.LayoutError, match=r"logical size 100 .* exceeds the 32 bytes"):
         KVLayout.from_tensors({"k": storage[:32].view(4, 8)}, 4, logical_sizes=[100])
+    with pytest.raises(tkv.LayoutError, match=r"logical size 64 .* exceeds the 32 bytes"):
+        KVLayout.from_tensors({"k": storage[:32].view(4, 8)}, 4, logical_sizes=[64])
+    with pytest.raises(tkv.LayoutError, match=r"reaches byte 32 .* past the logical size 16"):
+        KVLayout.from_tensors({"k": storage[:32].view(4, 8)}, 4, logical_sizes=[16])
 
 
 def test_logical_size_beyond_physical_raises():
     storage = torch.zeros(128, dtype=torch.uint8)
-    with pytest.raises(tkv.LayoutError, match="128 bytes is smaller than its logical size of 256"):
+    with pytest.raises(tkv.LayoutError, match="logical size 256 .* exceeds the 128 bytes"):
         KVLayout.from_tensors({"k": storage.view(4, 32)}, 4, logical_sizes=[256])
 
 
@@ -126,7 +134,12 @@ def test_scheduler_layout_matches_bound_layout():
     sched = KVLayout.from_specs([StorageSpec(8 * 128, 128), StorageSpec(8 * 128, 128)], 8)
     bound = sched.bind({"k": k, "v": v})
     assert bound.bytes_per_block == sched.bytes_per_block == 256
-    assert bound.digest == sched.digest
+    # A scheduler holding the worker's spec() has the same digest (so the same keys) and binds only to it.
+    remote = KVLayout.from_spec(json.loads(json.dumps(bound.spec())))
+    assert remote.digest == bound.digest and not remote.is_bound
+    assert remote.bind({"k": k, "v": v}).digest == bound.digest
+    with pytest.raises(tkv.LayoutError, match="digest"):
+        remote.bind({"v": v, "k": k})
     assert sched.slots_for(10_000) == bound.slots_for(10_000) == 10_000 // 256
 
 
@@ -153,8 +166,8 @@ def test_property_regions_never_pass_the_logical_size(num_blocks, block_bytes, r
             for r in range(regions)
         }
     else:
-        tensors = {"all": storage[:logical].view(regions * num_blocks, block_bytes)}
-    layout = KVLayout.from_tensors(tensors, num_blocks)
+        tensors = {"all": storage[:logical].view(regions, num_blocks, block_bytes)}
+    layout = KVLayout.from_tensors(tensors, num_blocks, block_dim=0 if shared else 1)
     base = storage.data_ptr()
     for view in layout.regions:
         end = view.data_ptr() + view.numel() - base
@@ -187,3 +200,63 @@ def test_errors_survive_python_O(tmp_path):
     out = subprocess.run([sys.executable, "-O", str(script)], capture_output=True, text=True, env={**os.environ})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_k_then_v_stacked_on_dim0_is_refused_unless_declared():
+    nb = 8
+    kv = torch.arange(2 * nb * 4, dtype=torch.float32).view(2 * nb, 4)  # rows 0..7 are K, 8..15 are V
+    with pytest.raises(tkv.LayoutError, match=r"dim 0 is 16, expected num_blocks \* rows_per_block = 8 \* 1 = 8.*block_dim"):
+        KVLayout.from_tensors({"kv": kv}, nb)
+    layout = KVLayout.from_tensors({"kv": kv.view(2, nb, 4)}, nb, block_dim=1)
+    assert layout.num_regions == 2 and layout.bytes_per_block == 2 * 16
+    # block 1 is K row 1 and V row 9; nothing else
+    k1, v1 = layout.regions[0][1].view(torch.float32), layout.regions[1][1].view(torch.float32)
+    assert torch.equal(k1, kv[1]) and torch.equal(v1, kv[nb + 1])
+
+
+def test_block_dim_1_with_two_blocks_is_ambiguous_unless_declared():
+    # [2, nb, ...] with nb == 2: dim 0 equals num_blocks by accident
+    kv = torch.arange(2 * 2 * 3, dtype=torch.int32).view(2, 2, 3)
+    with pytest.raises(tkv.LayoutError, match=r"ambiguous: dims \[0, 1\] all equal num_blocks=2"):
+        KVLayout.from_tensors({"kv": kv}, 2)
+    layout = KVLayout.from_tensors({"kv": kv}, 2, block_dim={"kv": 1})
+    assert layout.num_regions == 2
+    assert torch.equal(layout.regions[0][1].view(torch.int32), kv[0, 1])  # K of block 1
+    assert torch.equal(layout.regions[1][1].view(torch.int32), kv[1, 1])  # V of block 1
+    as_blocks = KVLayout.from_tensors({"kv": kv}, 2, block_dim=0)  # declared the other way: one region
+    assert as_blocks.num_regions == 1 and as_blocks.digest != layout.digest
+
+
+def test_declarations_are_checked():
+    t = torch.zeros(4, 8)
+    with pytest.raises(tkv.LayoutError, match="names tensors that kv_caches does not have"):
+        KVLayout.from_tensors({"k": t}, 4, block_dim={"v": 0})
+    with pytest.raises(tkv.LayoutError, match="block_dim=2 is not one of its dims"):
+        KVLayout.from_tensors({"k": t}, 4, block_dim=2)
+    with pytest.raises(tkv.LayoutError, match="rows_per_block must be positive"):
+        KVLayout.from_tensors({"k": t}, 4, rows_per_block=0)
+
+
+def _digest(tensors, nb=4, **kw):
+    return KVLayout.from_tensors(tensors, nb, **kw).digest
+
+
+def test_digest_identifies_names_order_dtype_and_shape():
+    k, v = torch.zeros(4, 2, 8, dtype=torch.float16), torch.zeros(4, 2, 8, dtype=torch.float16)
+    base = _digest({"k": k, "v": v})
+    assert _digest({"k": k.clone(), "v": v.clone()}) == base  # same layout, other memory
+    assert _digest({"v": v, "k": k}) != base  # reordered: K would be served as V
+    assert _digest({"key": k, "v": v}) != base  # renamed
+    assert _digest({"k": k.view(4, 8, 2), "v": v.view(4, 8, 2)}) != base  # same bytes, reshaped
+    bf = {"k": k.view(torch.bfloat16), "v": v.view(torch.bfloat16)}
+    assert _digest(bf) != base  # same bytes, another dtype
+    big = {"k": torch.zeros(9, 2, 8, dtype=torch.float16), "v": torch.zeros(9, 2, 8, dtype=torch.float16)}
+    assert _digest(big, nb=9) == base  # num_blocks is not part of the identity: a restart may resize
+
+
+def test_layout_dtype_and_block_tokens():
+    k = torch.zeros(4, 16, 2, 8, dtype=torch.bfloat16)
+    layout = KVLayout.from_tensors({"k": k}, 4, block_tokens=16)
+    assert layout.dtype == "bfloat16" and layout.block_tokens == 16
+    raw = KVLayout.from_tensors({"k": torch.zeros(4, 64, dtype=torch.uint8)}, 4)
+    assert raw.dtype is None and raw.block_tokens is None  # raw bytes carry no element type

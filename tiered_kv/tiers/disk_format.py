@@ -114,7 +114,7 @@ def parse_namespace_json(raw: bytes) -> tuple[DiskNamespace, dict]:
         raise ValueError(f"format_version {doc.get('format_version')!r}, this build reads {FORMAT_VERSION}")
     try:
         ns = DiskNamespace(doc["model_id"], doc["dtype"], doc["layout_digest"], doc["bytes_per_block"],
-                           doc["key_bytes"])
+                           doc["key_bytes"], doc.get("revision", ""), doc.get("shard", ""))
     except (KeyError, ConfigError) as e:
         raise ValueError(f"bad namespace.json: {e}") from e
     return ns, doc
