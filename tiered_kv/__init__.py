@@ -18,10 +18,10 @@ from .errors import (
     TransferError,
 )
 from .identity import make_keyer, resolve_geometry, shard_name
-from .index import LookupResult
 from .keys import BlockKeyer, KeyNamespace
 from .layout import KVLayout, StorageSpec, plan_regions
 from .layout_tensors import TensorSpec
+from .manager import LookupResult
 from .metrics import CacheMetrics
 from .sizes import parse_size
 

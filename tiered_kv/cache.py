@@ -1,11 +1,11 @@
-"""TieredKVCache: lookup / load / store over pinned CPU slots and a disk tier.
+"""TieredKVCache: the asyncio facade over the tier manager (bookkeeping) and the mover (bytes).
 
-Every data move is reserve -> transfer -> commit, or abort after the copy has
-finished. Each load and store runs as a task the cache owns; the caller awaits
-it through ``asyncio.shield``. A caller's cancellation therefore never cuts a
-move in half: it sets a flag, the task stops before its next copy starts, and
-whatever was reserved is released only once the copies already issued have
-landed. Bookkeeping is synchronous on the loop thread, so no locks.
+``lookup`` and ``touch`` are synchronous calls into the manager. ``store`` and
+``load`` run as tasks the cache owns: the manager plans (reserve), the mover
+executes the plan's jobs in order (spill of evicted slots, promotion from
+disk, the GPU copy), and the manager commits or aborts once every copy of the
+plan has landed. A caller's cancellation stops the move before its next copy
+and the caller still waits for the copies already issued (see ``_run``).
 """
 
 from __future__ import annotations
@@ -13,26 +13,37 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
+
+import numpy as np
 
 from .backpressure import ByteBudget
 from .capacity import tier_slots
 from .config import Config, check_capacities, load_config
-from .errors import BlockIdError, CacheClosedError, KeyFormatError, LayoutError
+from .errors import BlockIdError, DiskError, LayoutError
 from .identity import disk_namespace, make_keyer
 from .ids import check_block_ids
-from .index import LookupResult, TierIndex
-from .keys import check_keys, key_problem
+from .keys import check_keys
 from .layout import KVLayout
-from .load_path import load_body
+from .lifecycle import Lifecycle, finish_uncancelled
+from .manager import LoadPlan, LookupResult, SpillJob, StorePlan, TierManager
 from .metrics import CacheMetrics
-from .store_path import StoreResult, store_body
+from .mover import CopyJob, DiskIO, Mover, load_handler, store_handler
 from .tiers.cpu import CpuSlabs
-from .tiers.disk import DiskTier
-from .transfer import make_engine
+from .tiers.disk import DiskStore
+from .transfer import CopyEngine, make_engine
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class StoreResult:
+    stored: int = 0  # copied into new CPU slots
+    deduped: int = 0  # already resident (or repeated in the call): touched, not copied
+    in_flight: int = 0  # another store or promotion of the key is still in flight
+    skipped: int = 0  # did not fit (the trailing new keys), or the call was cancelled
 
 
 class _Op:
@@ -43,18 +54,7 @@ class _Op:
         self.idle = False  # True while the move holds nothing and issued no copy: safe to cancel outright
 
 
-async def finish_uncancelled(fut: asyncio.Future[Any]) -> None:
-    """Wait until ``fut`` is done, absorbing our own cancellation meanwhile (the caller re-raises)."""
-    while not fut.done():
-        try:
-            await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            continue
-        except BaseException:
-            break
-
-
-class TieredKVCache:
+class TieredKVCache(Lifecycle):
     """Async context manager over a bound KVLayout (see layout.KVLayout.from_tensors).
 
     ``rank``/``world_size`` (or an engine-supplied ``shard_id``) name the engine's
@@ -81,193 +81,160 @@ class TieredKVCache:
         # scheduler process uses (identity.make_keyer, capacity.tier_slots).
         self.keyer = make_keyer(cfg, layout, rank=rank, world_size=world_size, shard_id=shard_id)
         self._key_bytes = self.keyer.key_bytes
-        slots = tier_slots(cfg, layout)
-        self.cpu = TierIndex("cpu", slots["cpu"], cfg.eviction.policy)
-        self.metrics.track_used_slots("cpu", lambda: self.cpu.used)
-        self.disk: DiskTier | None = None  # built by start(), so that a failed start can be retried
+        self._slots = slots = tier_slots(cfg, layout)
+        self.manager = self._new_manager()
+        self.metrics.track_used_slots("cpu", lambda: self.manager.cpu.used)
+        if self.manager.disk is not None:
+            self.metrics.track_used_slots("disk", lambda: self.manager.disk.used)
         self._disk_ns = disk_namespace(self.keyer, layout) if cfg.tiers.disk.enabled else None
-        self._write_through = cfg.tiers.disk.spill_policy == "write_through"
         self._budget = ByteBudget(cfg.transfer.max_inflight_bytes)
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self.mover = Mover(self._budget, self.metrics, layout.bytes_per_block)
+        self.disk: DiskIO | None = None
         self.slabs: CpuSlabs | None = None
-        self._engine = None
-        self._disk_open = False
-        self._state = "new"
-        self._starting: asyncio.Future[None] | None = None
-        self._closing: asyncio.Future[None] | None = None
+        self._engine: CopyEngine | None = None
         self.recovered_blocks = 0
+        # Promotions per chunk: a prefix longer than the CPU tier loads through it in chunks.
+        budget_blocks = max(1, cfg.transfer.max_inflight_bytes // layout.bytes_per_block)
+        self._max_promote = max(1, min(slots["cpu"] // 2, budget_blocks))
+        self._progress: asyncio.Future[None] | None = None  # resolved (and replaced) whenever a plan completes
+        Lifecycle.__init__(self)
 
-    # -- lifecycle --------------------------------------------------------------------
-    async def start(self) -> TieredKVCache:
-        """Allocate the CPU tier, start the copy engine, open the disk tier: all of it or nothing.
+    def _new_manager(self) -> TierManager:
+        cfg = self.config
+        return TierManager(
+            self._slots["cpu"], self._slots.get("disk"), self._key_bytes, cfg.eviction.policy,
+            write_through=cfg.tiers.disk.spill_policy == "write_through", on_event=self._count_event,
+        )  # fmt: skip
 
-        A failure or a cancellation releases everything taken so far; a later
-        ``start()`` may try again. ``start()`` after ``aclose()`` raises.
-        """
-        if self._state == "open":
-            return self
-        if self._state in ("closing", "closed"):
-            raise CacheClosedError(f"start() on a TieredKVCache that is {self._state}; build a new one")
-        if self._starting is None:
-            self._starting = asyncio.ensure_future(self._open_all())
-        starting = self._starting
-        try:
-            await asyncio.shield(starting)
-        except asyncio.CancelledError:
-            # Opening runs on in an executor; wait for it, then undo it: all or nothing.
-            await finish_uncancelled(starting)
-            if self._state == "open":
-                await finish_uncancelled(asyncio.ensure_future(self._release_all()))
-                self._state = "new"
-            raise
-        finally:
-            if self._starting is starting and starting.done():
-                self._starting = None
-        if self._state != "open":
-            raise CacheClosedError(f"TieredKVCache is {self._state} after start()")
-        return self
+    def _count_event(self, kind: str, tier: str, n: int) -> None:
+        if kind == "evicted":
+            self.metrics.evicted[tier].inc(n)
+        elif kind == "dropped" and tier == "cpu":  # disk drops are counted where their error is seen
+            self.metrics.drop("cpu", "no_disk_room", n)
 
-    async def _open_all(self) -> None:
-        cfg = self.config.tiers.cpu
+    # -- lifecycle (see lifecycle.Lifecycle: all or nothing, one close task) -------------
+    async def _open_resources(self) -> None:
+        cfg = self.config
         loop = asyncio.get_running_loop()
-        self._state = "starting"
-        try:
-            # Allocating and pinning a large slab takes seconds: keep it off the loop.
-            self.slabs = await loop.run_in_executor(
-                None, lambda: CpuSlabs(self.layout, self.cpu.num_slots, pin=cfg.pin_memory, pin_chunk=cfg.pin_chunk)
-            )
-            self._engine = make_engine(self.config.transfer.engine, list(self.layout.regions), self.slabs.regions)
-            if self._disk_ns is not None:
-                cfg = self.config
-                self.disk = DiskTier(cfg.tiers.disk, self.layout, self._disk_ns, cfg.eviction.policy, self.metrics)
-                self.recovered_blocks = await self.disk.open()
-                self._disk_open = True
-        except BaseException:
-            await finish_uncancelled(asyncio.ensure_future(self._release_all()))
-            self.disk = None
-            self._state = "new"
-            raise
-        self._state = "open"
+        # Allocating and pinning a large slab takes seconds: keep it off the loop.
+        self.slabs = await loop.run_in_executor(None, lambda: CpuSlabs(
+            self.layout, self._slots["cpu"], pin=cfg.tiers.cpu.pin_memory, pin_chunk=cfg.tiers.cpu.pin_chunk))  # fmt: skip
+        self._engine = engine = make_engine(cfg.transfer.engine, list(self.layout.regions), self.slabs.regions)
+        self.mover.register("gpu", "cpu", store_handler(engine))
+        self.mover.register("cpu", "gpu", load_handler(engine))
+        if self._disk_ns is not None:
+            d = cfg.tiers.disk
+            store = DiskStore(
+                d.path, self._disk_ns, self._slots["disk"], o_direct=d.o_direct,
+                allow_symlink=d.allow_symlink, io_threads=d.io_threads, fsync=d.fsync,
+                on_drop=lambda cause, n, detail: self.metrics.drop("disk", cause, n, detail),
+            )  # fmt: skip
+            recovered = await store.open()  # releases what it took if it fails
+            self.disk = DiskIO(store, self.slabs, self.metrics, self._disk_degraded)
+            self.manager.disk.restore([b.key for b in recovered], [b.slot for b in recovered])
+            self.recovered_blocks = len(recovered)
+            self.mover.register("cpu", "disk", self.disk.write)
+            self.mover.register("disk", "cpu", self.disk.read)
 
-    async def __aenter__(self) -> TieredKVCache:
-        return await self.start()
+    def _disk_degraded(self) -> None:
+        self.manager.disk_writable = False
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        """Drain every in-flight move, then release threads, files and pinned memory. Idempotent.
-
-        The close runs as a task of its own: a cancelled caller leaves it running, and
-        a second caller waits for the same task. Slabs are released only after the
-        copy engine has drained, never while a copy may still touch them.
-        """
-        if self._closing is None:
-            if self._starting is not None:
-                await finish_uncancelled(self._starting)
-            self._closing = asyncio.ensure_future(self._close())
-        await asyncio.shield(self._closing)
-
-    async def _close(self) -> None:
-        self._state = "closing"
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
-        await self._release_all()
-        self._state = "closed"
-
-    async def _release_all(self) -> None:
-        """Release what start() took, in reverse; each step only after the copies it guards are done."""
+    async def _release_resources(self) -> None:
+        """Release in reverse; slabs only after the copy engine has drained every copy."""
         drained = self._engine is None
         try:
             if self._engine is not None:
                 await self._engine.aclose()  # waits for every copy first
             drained = True
-            if self.disk is not None and self._disk_open:
-                self._disk_open = False
-                await self.disk.aclose()
+            if self.disk is not None:
+                disk, self.disk = self.disk, None
+                await disk.store.aclose()
         finally:
             if self.slabs is not None and drained:  # never unregister memory a copy may still touch
                 self.slabs.release()
                 self.slabs = None
 
-    def _check_open(self) -> None:
-        if self._state != "open":
-            raise CacheClosedError(f"TieredKVCache is {self._state}; use `async with TieredKVCache(...)`")
+    def _reset_after_failed_start(self) -> None:
+        self.manager = self._new_manager()
+        self.recovered_blocks = 0
 
     # -- control path -------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
-        """Longest leading run of resident keys, per tier; no I/O, O(len(keys)).
+        """Longest leading run of resident keys, per tier; no I/O, O(len(keys)), vectorized.
 
-        Every key it examines is validated (the hits, which were validated when
-        stored, and the key that ends the run); KeyFormatError for a bad one.
+        Non-bytes keys or a wrong total length raise KeyFormatError; two keys whose
+        wrong lengths cancel out are not detected here (checking each key would cost
+        as much as the lookup), and can only miss.
         """
         self._check_open()
         if isinstance(keys, (bytes, bytearray, str)) or not isinstance(keys, Sequence):
             check_keys(keys, self._key_bytes)
-        cpu_ready = self.cpu.ready
-        disk_ready = self.disk.index.ready if self.disk is not None else {}
-        n_cpu = n_disk = 0
-        in_flight = False
-        for key in keys:
-            if key in cpu_ready:
-                n_cpu += 1
-            elif key in disk_ready:
-                n_disk += 1
-            else:
-                if type(key) is not bytes or len(key) != self._key_bytes:
-                    raise KeyFormatError(key_problem(key, self._key_bytes, f"keys[{n_cpu + n_disk}]"))
-                in_flight = key in self.cpu.pending or (self.disk is not None and key in self.disk.index.pending)
-                break
+        try:
+            # Joining the keys checks their type and total length at C speed.
+            result = self.manager.lookup(keys)
+        except (TypeError, ValueError):
+            check_keys(keys, self._key_bytes)  # names the bad key
+            raise
         m = self.metrics
         m.lookups.inc(len(keys))
-        m.hit["cpu"].inc(n_cpu)
-        m.hit["disk"].inc(n_disk)
-        return LookupResult(n_cpu + n_disk, n_cpu, n_disk, in_flight)
+        m.hit["cpu"].inc(result.cpu)
+        m.hit["disk"].inc(result.disk)
+        return result
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Mark resident keys as used, last first, so a prefix's head is the most recent."""
         self._check_open()
         check_keys(keys, self._key_bytes)
-        for key in reversed(keys):
-            slot = self.cpu.ready.get(key)
-            if slot is not None:
-                self.cpu.touch(slot)
-            if self.disk is not None and (slot := self.disk.index.ready.get(key)) is not None:
-                self.disk.index.touch(slot)
+        self.manager.touch(keys)
+
+    def tiers_of(self, keys: Sequence[bytes]) -> list[str]:
+        """The tier each key is resident in: "cpu", "disk" or "" (for reports and tests)."""
+        self._check_open()
+        check_keys(keys, self._key_bytes)
+        return self.manager.tiers_of(keys)
+
+    def take_events(self) -> list[tuple[str, str, list[bytes]]]:
+        """(kind, tier, keys) since the last call: stored, evicted, spilled, dropped (for a router)."""
+        return self.manager.take_events()
 
     def stats(self) -> dict[str, Any]:
+        cpu = self.manager.cpu
         out: dict[str, Any] = {
-            "cpu": {"slots": self.cpu.num_slots, "used": self.cpu.used, "resident": len(self.cpu.ready)},
+            "cpu": {"slots": cpu.num_slots, "used": cpu.used, "resident": cpu.n_ready},
             "bytes_per_block": self.layout.bytes_per_block,
             "inflight_bytes": self._budget.used,
         }
-        if self.disk is not None:
-            d = self.disk
+        disk = self.manager.disk
+        if disk is not None:
             out["disk"] = {
-                "slots": d.num_slots,
-                "used": d.index.used,
-                "resident": len(d.index.ready),
-                "degraded": d.degraded,
+                "slots": disk.num_slots,
+                "used": disk.used,
+                "resident": disk.n_ready,
+                "degraded": self.disk.degraded if self.disk is not None else None,
                 "recovered": self.recovered_blocks,
             }
         out["metrics"] = self.metrics.snapshot()
         return out
+
+    def check_invariants(self) -> None:
+        """Every slot accounted for (tests call this after stress)."""
+        self.manager.check_invariants()
 
     # -- data path ----------------------------------------------------------------------
     async def store(self, keys: Sequence[bytes], gpu_block_ids: Sequence[int]) -> StoreResult:
         """Copy the GPU blocks of keys not yet resident into CPU slots."""
         ids = self._check_args(keys, gpu_block_ids)
         keys = list(keys)
-        return await self._run(lambda op: store_body(self, op, keys, ids), "store")
+        return await self._run(lambda op: self._store_body(op, keys, ids), "store")
 
     async def load(self, keys: Sequence[bytes], gpu_block_ids: Sequence[int]) -> int:
         """Load the leading resident keys into the GPU blocks; returns how many were loaded."""
         ids = self._check_args(keys, gpu_block_ids)
         keys = list(keys)
-        return await self._run(lambda op: load_body(self, op, keys, ids), "load")
+        return await self._run(lambda op: self._load_body(op, keys, ids), "load")
 
-    def _check_args(self, keys: Sequence[bytes], gpu_block_ids: Sequence[int]) -> list[int]:
-        """Validate a call before anything is reserved; returns the block ids as plain ints."""
+    def _check_args(self, keys: Sequence[bytes], gpu_block_ids: Sequence[int]) -> np.ndarray:
+        """Validate a call before anything is reserved; returns the block ids as an int64 array."""
         self._check_open()
         check_keys(keys, self._key_bytes)
         ids = check_block_ids(gpu_block_ids, self.layout.num_blocks)
@@ -290,67 +257,145 @@ class TieredKVCache:
             result = await asyncio.shield(task)
         except asyncio.CancelledError:
             op.cancelled = True
-            if op.idle:  # waiting for budget: nothing reserved, nothing copying
+            if op.idle:  # waiting for room or another call: nothing reserved, nothing copying
                 task.cancel()
             await finish_uncancelled(task)
             raise
         self.metrics.op_latency[op_name].observe(loop.time() - t0)
         return result
 
-    def spawn(self, coro: Awaitable[T]) -> asyncio.Task[T]:
-        """Run a move the cache owns: never cancelled, always awaited by aclose()."""
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-        return task
-
-    def _task_done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            # Also raised to the awaiting caller, if any; logged for background spills.
-            log.debug("tiered_kv task failed: %r", task.exception())
-
-    # -- CPU pins and room ----------------------------------------------------------------
-    def unpin_cpu(self, slot: int) -> None:
-        self.unpin_cpu_many([slot])
-
-    def unpin_cpu_many(self, slots: list[int]) -> None:
-        # An evicted block still being read or spilled stays READY but detached from the
-        # policy; the last unpin frees its slot.
-        unpin, detached = self.cpu.unpin, self.cpu.detached
-        for slot in slots:
-            if unpin(slot) == 0 and slot in detached:
-                self.cpu.drop(slot)
-                self.metrics.evicted["cpu"].inc()
-
-    def _needs_spill(self, key: bytes) -> bool:
-        return self.disk is not None and self.disk.writable and not self.disk.holds(key)
-
-    async def make_cpu_room(self, n: int) -> None:
-        """Evict up to n CPU blocks; dirty ones are written to disk before their slot frees."""
-        victims = self.cpu.evict(min(n, self.cpu.evictable))
-        spills = []
-        for slot in victims:
-            key = self.cpu.slot_key[slot]
-            if key is not None and self._needs_spill(key):
-                # Still READY and servable while its only copy is written out.
-                self.cpu.pin(slot)  # detached by evict(): the last unpin frees it
-                spills.append(self.spawn(self.spill(slot, key)))
-            else:
-                self.cpu.drop(slot)
-                self.metrics.evicted["cpu"].inc()
-        if spills:
-            await asyncio.wait(spills)
-
-    async def spill(self, slot: int, key: bytes) -> None:
-        """Write a pinned CPU block to disk, then unpin it (freeing it if it was evicted)."""
+    async def _wait_progress(self, op: _Op) -> None:
+        """Wait until some plan completes (room freed, an in-flight key landed); cancel-safe."""
+        if self._progress is None or self._progress.done():
+            self._progress = asyncio.get_running_loop().create_future()
+        op.idle = True
         try:
-            await self.disk.write_block(key, self.slabs.block_parts(slot))
+            await asyncio.shield(self._progress)
         finally:
-            self.unpin_cpu(slot)
+            op.idle = False
 
-    def check_invariants(self) -> None:
-        """Every slot accounted for (tests call this after stress)."""
-        self.cpu.check_invariants()
-        if self.disk is not None:
-            self.disk.index.check_invariants()
+    def _progressed(self) -> None:
+        if self._progress is not None and not self._progress.done():
+            self._progress.set_result(None)
+
+    # -- store --------------------------------------------------------------------------
+    async def _store_body(self, op: _Op, keys: list[bytes], ids: np.ndarray) -> StoreResult:
+        m = self.manager
+        stored = deduped = in_flight = 0
+        todo_keys, todo_ids = keys, ids
+        while True:
+            plan = m.prepare_store(todo_keys, todo_ids)
+            deduped, in_flight = deduped + plan.deduped, in_flight + plan.in_flight
+            stored += await self._execute_store(op, plan)
+            # Keys that found no slot after every evictable block was taken stay out: evicting
+            # this call's own blocks for them would cut the prefix's head. Only when nothing was
+            # placed (the tier is full of blocks other calls hold: pins, reservations) wait for
+            # one of those calls to finish, then place the rest.
+            if not plan.unplaced or op.cancelled or len(plan.cpu_slots):
+                break
+            if m.cpu.n_reserved == 0 and m.cpu.n_ready_pinned == 0:
+                break  # nothing will ever free room
+            await self._wait_progress(op)
+            rest = plan.unplaced_idx
+            todo_keys, todo_ids = [todo_keys[i] for i in rest.tolist()], todo_ids[rest]
+        skipped = len(keys) - stored - deduped - in_flight
+        if skipped:
+            self.metrics.skipped.inc(skipped)
+        return StoreResult(stored, deduped, in_flight, skipped)
+
+    async def _execute_store(self, op: _Op, plan: StorePlan) -> int:
+        m = self.manager
+        ok = False
+        try:
+            if plan.spill is not None:
+                await self._spill(plan.spill)  # the reused slots' old blocks go to disk first
+            if len(plan.cpu_slots) and not op.cancelled:
+                await self.mover.run("gpu", "cpu", CopyJob(plan.gpu_ids, plan.cpu_slots))
+                # A caller that gave up may already reuse its GPU blocks: what we copied
+                # then cannot be trusted to match the keys. Discard it.
+                ok = not op.cancelled
+        finally:
+            write_through = m.complete_store(plan, ok)
+            self._progressed()
+        if write_through is not None:
+            self.spawn(self._spill(write_through), background=True)
+        return len(plan.cpu_slots) if ok else 0
+
+    async def _spill(self, job: SpillJob) -> None:
+        """CPU -> disk; the manager commits what was written. Never raises for disk faults."""
+        disk = self.disk
+        try:
+            ok = await self.mover.run("cpu", "disk", job) if disk is not None and disk.writable else None
+        except DiskError as exc:
+            disk.degrade(exc)
+            ok = None
+        finally:
+            if ok is None:
+                ok = np.zeros(len(job), dtype=bool)
+                self.metrics.drop("cpu", "spill_failed", len(job))
+            self.manager.complete_spill(job, ok)
+            self.metrics.spills.inc(int(np.count_nonzero(ok)))
+            self._progressed()
+
+    # -- load ---------------------------------------------------------------------------
+    async def _load_body(self, op: _Op, keys: list[bytes], ids: np.ndarray) -> int:
+        m = self.manager
+        loaded = 0
+        while loaded < len(keys) and not op.cancelled:
+            plan = m.prepare_load(keys[loaded:], self._max_promote)
+            if not len(plan):
+                if plan.stop == "in_flight":  # another call is storing or promoting it: wait, then go on
+                    await self._wait_progress(op)
+                    continue
+                if plan.stop == "room" and (m.cpu.n_reserved or m.cpu.n_ready_pinned):
+                    await self._wait_progress(op)
+                    continue
+                break
+            n = await self._execute_load(op, plan, ids[loaded:])
+            loaded += n
+            if n < len(plan) or plan.stop in ("", "miss"):
+                break
+        return loaded
+
+    async def _execute_load(self, op: _Op, plan: LoadPlan, ids: np.ndarray) -> int:
+        m = self.manager
+        n = 0
+        promoted = False
+        try:
+            if plan.spill is not None:
+                await self._spill(plan.spill)
+            n = len(plan)
+            if plan.promote is not None:
+                ok = await self._promote(plan)
+                promoted = True
+                if ok is None:  # the read failed as a whole: a miss, but the disk copies may be fine
+                    n = m.complete_promote(plan, np.zeros(len(plan.promote), dtype=bool), corrupt=False)
+                else:
+                    n = m.complete_promote(plan, ok)
+                self._progressed()
+                if m.disk_invalidate and self.disk is not None:
+                    self.disk.invalidate(np.concatenate(m.disk_invalidate))
+                    m.disk_invalidate.clear()
+            if n and not op.cancelled:
+                await self.mover.run("cpu", "gpu", CopyJob(plan.cpu_slots[:n], ids[:n]))
+            else:
+                n = 0
+        except BaseException:
+            if plan.promote is not None and not promoted:
+                m.abort_load(plan)
+            n = 0
+            raise
+        finally:
+            if plan.promote is None or promoted:
+                m.complete_load(plan, n)
+            self._progressed()
+        return n
+
+    async def _promote(self, plan: LoadPlan) -> np.ndarray | None:
+        """Per-block verification result, or None when the read failed as a whole."""
+        try:
+            return await self.mover.run("disk", "cpu", plan.promote)
+        except DiskError as exc:
+            log.warning("disk tier: a promotion of %d blocks failed (%s); treating them as misses",
+                        len(plan.promote), exc)  # fmt: skip
+            return None

@@ -6,8 +6,9 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from .errors import TieredKVError
 
@@ -35,10 +36,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config)
     except TieredKVError as exc:
-        if args.json:
-            print(json.dumps({"ok": False, "error": str(exc)}))
-        else:
-            print(f"invalid config: {exc}", file=sys.stderr)
+        if not args.json:
+            raise  # main prints the one line
+        print(json.dumps({"ok": False, "error": str(exc)}))
         return 2
     resolved = config_as_dict(cfg)
     if args.json:
@@ -52,12 +52,14 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def cmd_disk(args: argparse.Namespace) -> int:
-    from .tiers.disk_admin import list_namespaces, remove_namespaces
+    # Everything printed from the file system or the command line goes through display_text: a
+    # namespace.json can carry terminal escape sequences (model_id "\x1b[31m..."), never sent raw.
+    from .tiers.disk.admin import display_text, list_namespaces, remove_namespaces
 
     try:
         infos = list_namespaces(args.path)
     except OSError as exc:
-        print(f"error: cannot list {args.path}: {exc.strerror or exc}", file=sys.stderr)
+        print(f"error: cannot list {display_text(args.path)}: {display_text(exc.strerror or exc)}", file=sys.stderr)
         return 2
     if args.action == "ls":
         rows = [dataclasses.asdict(i) for i in infos]
@@ -66,26 +68,48 @@ def cmd_disk(args: argparse.Namespace) -> int:
     chosen = [i.dirname for i in infos if args.all or i.dirname in args.names]
     unknown = set(args.names) - {i.dirname for i in infos}
     if unknown:
-        print(f"no such namespace under {args.path}: {', '.join(sorted(unknown))}", file=sys.stderr)
+        names = ", ".join(display_text(n) for n in sorted(unknown))
+        print(f"no such namespace under {display_text(args.path)}: {names}", file=sys.stderr)
         return 2
     removed = remove_namespaces(args.path, chosen)
-    _emit(args, {"removed": removed}, lambda p: print("\n".join(f"removed {d}" for d in p["removed"]) or "nothing removed"))
+    _emit(args, {"removed": removed},
+          lambda p: print("\n".join(f"removed {display_text(d)}" for d in p["removed"]) or "nothing removed"))
     return 0
 
 
 def _render_namespaces(rows: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from .sizes import format_size
+    from .tiers.disk.admin import display_text
 
-    table = Table("namespace", "model", "dtype", "layout", "bytes/block", "blocks", "size")
+    def cell(value: object) -> Text:  # Text, not str: rich would read "[red]" in a model id as markup
+        return Text(display_text(value))
+
+    extra = [f for f in ("revision", "shard") if any(r.get(f) for r in rows)]  # shown when some row has one
+    table = Table("namespace", "model", *extra, "dtype", "layout", "bytes/block", "blocks", "size")
+    for col in table.columns:
+        col.overflow = "fold"  # wrap long values, never cut them
+    # `disk gc` needs the name exactly as listed: never shrunk, wrapped or cut.
+    table.columns[0].no_wrap = True
+    table.columns[0].min_width = max((len(r["dirname"]) for r in rows), default=9)
+    damaged = [r for r in rows if r.get("problem")]
     for r in rows:
+        if r.get("problem"):
+            continue
+        blocks = r.get("blocks", -1)
         table.add_row(
-            r["dirname"], r["model_id"], r["dtype"], r["layout_digest"], str(r["bytes_per_block"]),
-            str(r.get("blocks", "?")), format_size(int(r.get("size_bytes", 0))),
+            cell(r["dirname"]), cell(r["model_id"]), *(cell(r.get(f, "")) for f in extra), cell(r["dtype"]),
+            cell(r["layout_digest"]), str(r["bytes_per_block"]), str(blocks) if blocks >= 0 else "?",
+            format_size(int(r.get("size_bytes", 0))),
         )
-    Console().print(table)
+    if len(damaged) < len(rows) or not rows:
+        Console().print(table)
+    for r in damaged:  # plain lines: the reason may be long, and the name must stay whole
+        print(f"{r['dirname']}: {display_text(r['problem'])} ({format_size(int(r.get('size_bytes', 0)))}); "
+              f"`tiered-kv disk gc PATH {r['dirname']}` removes it")
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -100,8 +124,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench_cli(args)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error: ``tiered-kv: error: ...`` and exit status 2, no usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        sub = self.prog.removeprefix("tiered-kv").strip()
+        where = f"{sub}: " if sub else ""
+        self.exit(2, f"tiered-kv: error: {where}{_one_line(message)} (see {self.prog} --help)\n")
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (1-65535)")
+    return port
+
+
+def _one_line(text: str) -> str:
+    # One line on stderr whatever a message holds (a YAML excerpt, a path with a newline).
+    return " ".join(text.split())
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tiered-kv", description="Tiered KV-cache offload: plan, replay, bench.")
+    parser = _Parser(prog="tiered-kv", description="Tiered KV-cache offload: plan, replay, bench.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -127,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-bytes", help="synthetic KV block size, e.g. 16KiB")
     p.add_argument("--concurrency", type=int)
     p.add_argument("--speed", type=float, help="pace by trace timestamps divided by this (0: as fast as possible)")
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT while running")
+    p.add_argument("--metrics-port", type=_port, help="serve Prometheus metrics on 127.0.0.1:PORT while running")
     p.add_argument("--plot", help="sweep capacities and draw hit rate vs capacity to this PNG")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument(
@@ -135,19 +183,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="use tiers.disk.path as is (reuse blocks of earlier runs) instead of a fresh replay-<pid> subdirectory",
     )
     p = add("bench", cmd_bench, "throughput ratios against the raw operation, in one run")
-    p.add_argument("--quick", action="store_true", help="fewer repeats (for tests)")
-    p.add_argument("--only", choices=["transfer", "cache", "lookup", "index", "disk", "gpu"], action="append")
+    p.add_argument("--quick", action="store_true", help="a fast smoke run: smaller cases, same method (for tests)")
+    p.add_argument("--only", choices=["cache", "disk", "lookup", "memory", "gpu"], action="append",
+                   help="run only this section (repeatable); default: all, gpu where CUDA is available")
+    p.add_argument("--dir", help="directory for the disk section's files (default: the system temp directory)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Exit status: 0 ok, 1 the replay saw corrupt blocks, 2 bad input (one line on stderr), 130 Ctrl-C."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error, already printed on one line (2)
+        return exc.code if isinstance(exc.code, int) else 2
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at interpreter exit
+        return rc
     except TieredKVError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"tiered-kv: error: {_one_line(str(exc))}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader (``| head``) has gone: stop quietly. Point stdout at /dev/null so the
+        # interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a command killed by the closed pipe
+    except KeyboardInterrupt:
+        print("tiered-kv: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

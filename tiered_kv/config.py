@@ -8,6 +8,7 @@ tensor exists; the CPU and disk slot counts are always
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -25,7 +26,8 @@ from pydantic import (
 )
 
 from .errors import ConfigError
-from .sizes import format_size, parse_size
+from .host_checks import check_host_resources, dir_problem, expand_path
+from .sizes import MAX_SIZE, format_size, parse_size
 
 ByteSize = Annotated[int, BeforeValidator(parse_size)]
 
@@ -41,9 +43,16 @@ DTYPE_BYTES: dict[str, int] = {
 }
 
 
+# Upper bounds: a value past them is a typo, and each would fail (or allocate for minutes)
+# only once a replay or a cache starts, long after check-config said OK.
+MAX_SLOTS = 2**31 - 1  # per tier: the index keeps slot ids in int32 arrays
+MAX_GPU_BLOCKS = 2**31
+MIN_REPLAY_BLOCK_BYTES = 512  # below this the replay's slot counts explode (64MiB / 1 B = 67M slots)
+
+
 class _Section(BaseModel):
     # strict: a YAML string "8" is not silently an int; forbid: typos are errors.
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 # The model_id a config gets when it names none. Blocks are only as trustworthy as the
@@ -55,17 +64,17 @@ class ModelConfig(_Section):
     """Geometry of the KV cache: either ``bytes_per_block`` or the full shape."""
 
     # Must change whenever the weights change: KV computed by other weights is wrong KV.
-    model_id: str = Field(PLACEHOLDER_MODEL_ID, min_length=1)
-    revision: str = ""  # e.g. a checkpoint hash; part of every key and of the disk namespace
+    model_id: str = Field(PLACEHOLDER_MODEL_ID, min_length=1, max_length=1024)
+    revision: str = Field("", max_length=1024)  # e.g. a checkpoint hash; part of every key and of the disk namespace
     allow_placeholder_id: bool = False  # let a disk tier run under the placeholder model_id
     dtype: Literal[tuple(DTYPE_BYTES)] = "float16"  # type: ignore[valid-type]
-    block_tokens: int = Field(16, gt=0)
+    block_tokens: int = Field(16, gt=0, le=1 << 20)
     bytes_per_block: ByteSize | None = None
-    num_layers: int | None = Field(None, gt=0)
-    num_kv_heads: int | None = Field(None, gt=0)
-    head_dim: int | None = Field(None, gt=0)
+    num_layers: int | None = Field(None, gt=0, le=1 << 12)
+    num_kv_heads: int | None = Field(None, gt=0, le=1 << 16)
+    head_dim: int | None = Field(None, gt=0, le=1 << 16)
     # 2 for separate K and V tensors per layer, 1 for a fused latent (MLA).
-    kv_tensors_per_layer: int = Field(2, gt=0)
+    kv_tensors_per_layer: int = Field(2, gt=0, le=16)
 
     @model_validator(mode="after")
     def _one_geometry(self) -> ModelConfig:
@@ -78,6 +87,10 @@ class ModelConfig(_Section):
         elif any(v is None for v in shape):
             missing = [n for n, v in zip(("num_layers", "num_kv_heads", "head_dim"), shape, strict=True) if v is None]
             raise ValueError(f"missing {', '.join(missing)} (or give bytes_per_block)")
+        else:
+            regions = self.region_block_bytes()  # at most 4096 layers x 16 tensors, by the field bounds
+            if len(regions) * regions[0] > MAX_SIZE:
+                raise ValueError(f"one block would be {len(regions) * regions[0]} bytes, over the maximum of 2^60 bytes")
         return self
 
     def region_block_bytes(self) -> list[int]:
@@ -88,9 +101,19 @@ class ModelConfig(_Section):
         return [per_tensor] * (self.num_layers * self.kv_tensors_per_layer)  # type: ignore[operator]
 
 
+_DEVICE_RE = re.compile(r"auto|cpu|cuda(:[0-9]{1,4})?")
+
+
 class GpuConfig(_Section):
-    num_blocks: int = Field(1024, gt=0)
+    num_blocks: int = Field(1024, gt=0, le=MAX_GPU_BLOCKS)
     device: str = "auto"
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, device: str) -> str:
+        if not _DEVICE_RE.fullmatch(device):
+            raise ValueError(f"{device[:64]!r} is not a device; use auto, cpu, cuda or cuda:N")
+        return device
 
 
 def _on_off(value: object) -> object:
@@ -102,6 +125,7 @@ class CpuTierConfig(_Section):
     capacity: ByteSize = parse_size("1GiB")
     pin_memory: Annotated[Literal["auto", "on", "off"], BeforeValidator(_on_off)] = "auto"
     pin_chunk: ByteSize = parse_size("1GiB")
+    allow_overcommit: bool = False  # skip the check that the tiers' memory fits in MemAvailable
 
 
 class DiskTierConfig(_Section):
@@ -111,15 +135,17 @@ class DiskTierConfig(_Section):
     spill_policy: Literal["write_back", "write_through"] = "write_back"
     o_direct: bool = False
     fsync: bool = False
-    max_concurrent_spills: int = Field(4, gt=0)
-    io_threads: int = Field(4, gt=0)
+    max_concurrent_spills: int = Field(4, gt=0, le=4096)
+    io_threads: int = Field(4, gt=0, le=1024)
     allow_symlink: bool = False
+    allow_overcommit: bool = False  # skip the check that capacity fits in the path's free space
 
     @field_validator("path")
     @classmethod
     def _usable_path(cls, path: str, info: ValidationInfo) -> str:
+        path = expand_path(path)
         if info.data.get("enabled", True):
-            problem = _dir_problem(Path(os.path.expanduser(path)))
+            problem = dir_problem(Path(path))
             if problem:
                 raise ValueError(f"{path!r} {problem}")
         return path
@@ -141,16 +167,23 @@ class TransferConfig(_Section):
 
 class KeysConfig(_Section):
     hash: Literal["sha256", "xxh3_128"] = "sha256"
-    tenant_salt: str = ""
+    tenant_salt: str = Field("", max_length=4096)
 
 
 class ReplayConfig(_Section):
-    num_requests: int = Field(1200, gt=0)
-    max_requests: int | None = Field(None, gt=0)
-    concurrency: int = Field(8, gt=0)
+    num_requests: int = Field(1200, gt=0, le=1_000_000)
+    max_requests: int | None = Field(None, gt=0, le=1 << 40)
+    concurrency: int = Field(8, gt=0, le=65536)
     speed: float = Field(0.0, ge=0)  # 0 = as fast as possible, else trace time / speed
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=1 << 64)
     block_bytes: ByteSize | None = None  # synthetic block size; overrides model geometry for the replay
+
+    @field_validator("block_bytes")
+    @classmethod
+    def _not_tiny(cls, block_bytes: int | None) -> int | None:
+        if block_bytes is not None and block_bytes < MIN_REPLAY_BLOCK_BYTES:
+            raise ValueError(f"{block_bytes} bytes is below the minimum of {MIN_REPLAY_BLOCK_BYTES} bytes")
+        return block_bytes
 
 
 class Config(_Section):
@@ -169,6 +202,7 @@ class Config(_Section):
     @model_validator(mode="after")
     def _capacities_hold_a_block(self) -> Config:
         check_capacities(self, self.bytes_per_block)
+        check_host_resources(self, self.bytes_per_block)
         return self
 
     @model_validator(mode="after")
@@ -184,7 +218,7 @@ class Config(_Section):
 
 
 def check_capacities(cfg: Config, bytes_per_block: int) -> None:
-    """Each tier must hold at least one block of the layout actually used."""
+    """Each tier, and the in-flight budget, must hold at least one block of the layout actually used."""
     tiers = [("tiers.cpu.capacity", cfg.tiers.cpu.capacity)]
     if cfg.tiers.disk.enabled:
         tiers.append(("tiers.disk.capacity", cfg.tiers.disk.capacity))
@@ -194,26 +228,28 @@ def check_capacities(cfg: Config, bytes_per_block: int) -> None:
                 f"{key}: {capacity} bytes ({format_size(capacity)}) is smaller than one block "
                 f"(bytes_per_block = {bytes_per_block})"
             )
+        if capacity // bytes_per_block > MAX_SLOTS:
+            raise ConfigError(
+                f"{key}: {format_size(capacity)} holds {capacity // bytes_per_block} blocks of {bytes_per_block} bytes, "
+                f"over the maximum of {MAX_SLOTS} slots per tier"
+            )
+    inflight = cfg.transfer.max_inflight_bytes
+    if inflight < bytes_per_block:
+        raise ConfigError(
+            f"transfer.max_inflight_bytes: {inflight} bytes is smaller than one block (bytes_per_block = {bytes_per_block})"
+        )
 
 
-def _dir_problem(path: Path) -> str | None:
-    """Why ``path`` cannot hold the disk tier, or None. A missing dir is fine if creatable."""
-    probe = path
-    while not probe.exists():
-        if probe.parent == probe:
-            return "has no existing parent directory"
-        probe = probe.parent
-    if not probe.is_dir():
-        return f"is not a directory ({probe} is a file)" if probe == path else f"cannot be created: {probe} is not a directory"
-    if not os.access(probe, os.W_OK | os.X_OK):
-        return f"is not writable ({probe})"
-    return None
+def _shown(part: object) -> str:
+    # A key is echoed in a one-line error: escape control characters, cut a huge one short.
+    text = str(part)
+    return (text if text.isprintable() else repr(text))[:80]
 
 
 def _format_errors(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
-        key = ".".join(str(p) for p in err["loc"])
+        key = ".".join(_shown(p) for p in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
@@ -222,11 +258,68 @@ def _format_errors(exc: ValidationError) -> str:
     return "; ".join(lines)
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[object, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base` overrides on purpose
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:
+                continue  # unhashable: the base class raises its own error
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {_shown(key)!r} (first given at line {first + 1})", key_node.start_mark
+                )
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:  # more digits than int() converts (4300): a typo, not a size
+            raise yaml.constructor.ConstructorError(
+                None, None, f"integer of {len(node.value)} characters is too long", node.start_mark
+            ) from None
+
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _StrictLoader.construct_yaml_int)
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line: the problem and its line, column (PyYAML's own text spans several lines)."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        return f"line {mark.line + 1}, column {mark.column + 1}: {exc.problem}"
+    return " ".join(str(exc).split())
+
+
+def read_config_data(source: str | os.PathLike[str]) -> object:
+    """The YAML document of a config file, unvalidated; ConfigError for unreadable or bad YAML."""
+    where = str(source)
+    try:
+        text = Path(source).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError, ValueError) as exc:  # ValueError: a NUL in the file name
+        raise ConfigError(f"{where}: cannot read config: {exc}") from None
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{where}: invalid YAML: {_yaml_problem(exc)}") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: invalid YAML: nested too deeply") from None
+    return {} if data is None else data
+
+
 def load_config(source: str | os.PathLike[str] | Mapping[str, Any] | Config | None = None) -> Config:
     """Load a config from a YAML file path, a mapping, or return a Config as is.
 
-    None gives the defaults. Raises ConfigError for unreadable files, bad YAML,
-    unknown keys, wrong types, bad sizes or capacities below one block.
+    None gives the defaults. Raises ConfigError for unreadable files, bad YAML
+    (duplicate keys included), unknown keys, wrong types, bad sizes, capacities
+    below one block or beyond this machine's memory or disk (unless allow_overcommit).
     """
     if isinstance(source, Config):
         return source
@@ -237,28 +330,26 @@ def load_config(source: str | os.PathLike[str] | Mapping[str, Any] | Config | No
         data = dict(source)
     elif isinstance(source, (str, os.PathLike)):
         where = str(source)
-        try:
-            text = Path(source).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"{where}: cannot read config: {exc}") from exc
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{where}: invalid YAML: {exc}") from exc
-        if data is None:
-            data = {}
+        data = read_config_data(source)
     else:
         raise ConfigError(f"load_config takes a path, a mapping or a Config, not {type(source).__name__}")
+    return validate_config(data, where)
+
+
+def validate_config(data: object, where: str = "config") -> Config:
+    """A Config from a parsed document; ConfigError messages start with ``where`` (the file)."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"{where}: top level must be a mapping of sections, got {type(data).__name__}")
     bad_keys = [k for k in data if not isinstance(k, str)]
     if bad_keys:
-        raise ConfigError(f"{where}: section names must be strings, got {bad_keys[0]!r}")
+        raise ConfigError(f"{where}: section names must be strings, got {_shown(repr(bad_keys[0]))}")
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(f"{where}: {_format_errors(exc)}") from None
-    except (ValueError, TypeError, RecursionError) as exc:  # pragma: no cover - pydantic wraps these
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deeply") from None
+    except (ValueError, TypeError) as exc:  # pragma: no cover - pydantic wraps these; never a traceback
         raise ConfigError(f"{where}: {exc}") from None
 
 

@@ -15,7 +15,7 @@ from .config import Config
 from .errors import ConfigError
 from .keys import BlockKeyer, KeyNamespace
 from .layout import KVLayout
-from .tiers.disk_format import DiskNamespace
+from .tiers.disk.format import DiskNamespace
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,32 @@ import torch
 
 from .errors import BlockIdError
 
+_INT_TYPES = frozenset((int, np.int64, np.int32, np.int16, np.int8, np.uint64, np.uint32, np.uint16, np.uint8))
 
-def check_block_ids(gpu_block_ids: Sequence[int], num_blocks: int) -> list[int]:
-    """Distinct ints in ``[0, num_blocks)`` as a plain list; BlockIdError names the first bad one.
+
+def _fast_ids(ids: object) -> np.ndarray | None:
+    """The ids as int64 when they are plainly integers (checked at C speed), else None (slow path)."""
+    if isinstance(ids, np.ndarray):
+        return ids.astype(np.int64, copy=False) if ids.ndim == 1 and ids.dtype.kind in "iu" else None
+    if isinstance(ids, (list, tuple)) and set(map(type, ids)) <= _INT_TYPES:
+        try:
+            return np.fromiter(ids, dtype=np.int64, count=len(ids)) if ids else np.zeros(0, dtype=np.int64)
+        except OverflowError:  # an int beyond 64 bits: the slow path names it
+            return None
+    return None
+
+
+def check_block_ids(gpu_block_ids: Sequence[int], num_blocks: int) -> np.ndarray:
+    """Distinct ints in ``[0, num_blocks)`` as an int64 array; BlockIdError names the first bad one.
 
     ``True`` is not block 1 and ``"3"`` is not block 3: only integers (Python,
     numpy or a 1-D integer tensor) are block ids.
     """
+    fast = _fast_ids(gpu_block_ids)
+    if fast is not None:
+        bad = (fast < 0) | (fast >= num_blocks)
+        if not bad.any() and (len(fast) < 2 or len(np.unique(fast)) == len(fast)):
+            return fast
     if isinstance(gpu_block_ids, torch.Tensor):
         if gpu_block_ids.dim() != 1 or gpu_block_ids.dtype.is_floating_point or gpu_block_ids.dtype == torch.bool:
             raise BlockIdError(f"gpu_block_ids tensor must be 1-D integers, got {gpu_block_ids.dtype} "
@@ -40,4 +59,4 @@ def check_block_ids(gpu_block_ids: Sequence[int], num_blocks: int) -> list[int]:
             raise BlockIdError(f"gpu_block_ids[{i}] = {gid} is out of range [0, {num_blocks})")
     if len(set(ids)) != len(ids):
         raise BlockIdError("gpu_block_ids contains duplicates: one GPU block cannot hold two keys")
-    return ids
+    return np.asarray(ids, dtype=np.int64)

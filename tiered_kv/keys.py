@@ -115,6 +115,8 @@ def check_keys(keys: Sequence[bytes], key_bytes: int, what: str = "keys") -> Non
     """Raise KeyFormatError unless ``keys`` is a sequence of ``bytes`` of ``key_bytes`` each."""
     if isinstance(keys, (bytes, bytearray, str)) or not isinstance(keys, Sequence):
         raise KeyFormatError(f"{what} must be a sequence of bytes keys, got {type(keys).__name__}")
+    if not keys or (set(map(type, keys)) == {bytes} and set(map(len, keys)) == {key_bytes}):
+        return  # checked at C speed; the loop below only finds the culprit
     for i, key in enumerate(keys):
         if type(key) is not bytes or len(key) != key_bytes:
             raise KeyFormatError(key_problem(key, key_bytes, f"{what}[{i}]"))

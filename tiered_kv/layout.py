@@ -18,12 +18,13 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .errors import LayoutError
 from .layout_tensors import Declared, TensorSpec, group_by_storage, logical_size
+
+if TYPE_CHECKING:  # torch is imported where tensors are handled, so config tools start fast
+    import torch
 
 _DIGEST_VERSION = "tkv-layout-v2"
 
@@ -171,6 +172,8 @@ class KVLayout:
                 )
             spec = StorageSpec(logical, group.block_bytes, group.storage.nbytes())
             n_regions = spec.regions(num_blocks)
+            import torch
+
             flat = torch.empty(0, dtype=torch.uint8, device=group.device)
             # The view covers exactly the logical bytes: padding is never a region.
             flat.set_(group.storage, 0, (logical,), (1,))
@@ -240,6 +243,8 @@ class KVLayout:
 
     @property
     def device(self) -> torch.device:
+        import torch
+
         return self.regions[0].device if self.regions else torch.device("cpu")
 
     @property

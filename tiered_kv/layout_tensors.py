@@ -9,10 +9,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import LayoutError
+
+if TYPE_CHECKING:
+    import torch
 
 # An int for every tensor, or a value per tensor name; None: not declared.
 Declared = int | Mapping[str, int] | None
@@ -122,6 +124,8 @@ def _block_geometry(name: str, tensor: torch.Tensor, num_blocks: int, block_dim:
 def group_by_storage(kv_caches: Mapping[str, torch.Tensor], num_blocks: int, block_dim: Declared,
                      rows_per_block: Declared) -> tuple[list[StorageGroup], list[TensorSpec]]:  # fmt: skip
     """Group tensors by the storage they live on; each storage's regions are registered once."""
+    import torch
+
     _check_declared_names(block_dim, kv_caches, "block_dim")
     _check_declared_names(rows_per_block, kv_caches, "rows_per_block")
     groups: dict[tuple[str, int], StorageGroup] = {}

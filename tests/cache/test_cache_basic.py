@@ -94,12 +94,14 @@ async def test_pinned_blocks_are_never_evicted_during_a_load(device):
         for i, key in enumerate(keys):
             fill(kv, i, key)
         await cache.store(keys[:4], [0, 1, 2, 3])
+        # Started together: the load pins its four slots before the store plans, so the
+        # store finds nothing evictable and waits for the load instead of evicting.
         load = asyncio.ensure_future(cache.load(keys[:4], [30, 31, 32, 33]))
-        await asyncio.sleep(0)  # the load has pinned its four slots
-        res = await cache.store(keys[4:], [4, 5, 6, 7])
-        assert res.stored == 0 and res.skipped == 4
-        assert await load == 4
+        store = asyncio.ensure_future(cache.store(keys[4:], [4, 5, 6, 7]))
+        assert await load == 4  # the store waited for room instead of evicting pinned blocks
         assert all(holds(kv, 30 + i, keys[i]) for i in range(4))
+        assert (await store).stored == 4
+        assert cache.lookup(keys[4:]).total == 4
         cache.check_invariants()
 
 

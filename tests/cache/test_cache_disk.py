@@ -9,7 +9,7 @@ import subprocess
 import pytest
 from cache_helpers import cache_for, config, fill, holds, make_kv
 
-from tiered_kv.tiers.disk_format import DATA_FILE
+from tiered_kv.tiers.disk.format import DATA_FILE
 
 
 async def store_all(cache, kv, keys, batch=4):
@@ -88,7 +88,7 @@ async def test_flipped_bytes_on_disk_are_misses_never_data(tmp_path, device):
     async with cache_for(kv, cfg) as cache:
         keys = cache.keyer.keys_for_block_ids(range(16))
         await store_all(cache, kv, keys)
-        on_disk = {k: s for k, s in cache.disk.index.ready.items()}
+        on_disk = {k: s for k, s in cache.manager.disk.resident().items()}
         record = cache.disk.store.record_size
         data = os.path.join(cache.disk.store.path, DATA_FILE)
     bad = [k for k in keys if k in on_disk][:3]
@@ -116,7 +116,7 @@ def tiny_fs(tmp_path):
     """A real 192 KiB tmpfs: the disk tier fills it for real (skipped where mount is refused)."""
     mnt = tmp_path / "tiny"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192k", "tmpfs", str(mnt)], capture_output=True).returncode:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192k,mode=0700", "tmpfs", str(mnt)], capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here (not root, or no CAP_SYS_ADMIN)")
     try:
         yield mnt
@@ -128,6 +128,7 @@ async def test_full_disk_degrades_the_tier_and_cpu_keeps_serving(tmp_path, tiny_
     kv = make_kv(64, device)
     cfg = config(tmp_path, cpu_blocks=8, disk_blocks=200)
     cfg["tiers"]["disk"]["path"] = str(tiny_fs)
+    cfg["tiers"]["disk"]["allow_overcommit"] = True  # the point is to fill it
     async with cache_for(kv, cfg) as cache:
         keys = cache.keyer.keys_for_block_ids(range(60))
         await store_all(cache, kv, keys)
@@ -135,7 +136,7 @@ async def test_full_disk_degrades_the_tier_and_cpu_keeps_serving(tmp_path, tiny_
         assert stats["disk"]["degraded"], "a full file system must degrade the disk tier"
         assert "No space" in stats["disk"]["degraded"] or "ENOSPC" in stats["disk"]["degraded"]
         assert stats["metrics"]["tiered_kv_degraded_events_total{disk}"] == 1
-        on_disk = len(cache.disk.index.ready)
+        on_disk = cache.manager.disk.n_ready
         assert 0 < on_disk < 52
         # CPU keeps taking stores and serving them; what reached disk still loads exact
         more = cache.keyer.keys_for_block_ids(range(100, 104))
@@ -143,5 +144,32 @@ async def test_full_disk_degrades_the_tier_and_cpu_keeps_serving(tmp_path, tiny_
             fill(kv, 60 + i, key)
         assert (await cache.store(more, [60, 61, 62, 63])).stored == 4
         await assert_loads_exact(cache, kv, more, target=59)
-        await assert_loads_exact(cache, kv, [k for k in keys if k in cache.disk.index.ready], target=58)
+        await assert_loads_exact(cache, kv, [k for k in keys if k in cache.manager.disk.resident()], target=58)
+        cache.check_invariants()
+
+
+async def test_a_failed_read_is_a_miss_that_keeps_the_disk_blocks(tmp_path, device):
+    """An I/O fault on promotion says nothing about the data: no wrong bytes, and nothing dropped."""
+    kv = make_kv(64, device)
+    # write-through: every CPU block is clean, so making room for a promotion writes nothing
+    async with cache_for(kv, config(tmp_path, cpu_blocks=4, disk_blocks=32, spill="write_through")) as cache:
+        keys = cache.keyer.keys_for_block_ids(range(12))
+        await store_all(cache, kv, keys)
+        while cache._tasks:
+            await asyncio.sleep(0.001)
+        assert cache.lookup(keys[:8]).disk == 8
+        fd = cache.disk.store._dfd
+        saved, broken = os.dup(fd), os.open(str(tmp_path), os.O_RDONLY)  # reading a directory: EISDIR
+        os.dup2(broken, fd)
+        try:
+            for t in kv.values():
+                t[40:52].zero_()
+            assert await cache.load(keys[:8], list(range(40, 48))) == 0
+            assert all(int(t[40:52].sum()) == 0 for t in kv.values())  # nothing wrong was written
+        finally:
+            os.dup2(saved, fd)
+            os.close(saved)
+            os.close(broken)
+        assert cache.lookup(keys[:8]).disk == 8, "a failed read dropped disk blocks it never verified"
+        await assert_loads_exact(cache, kv, keys)
         cache.check_invariants()

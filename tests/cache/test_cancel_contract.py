@@ -16,7 +16,7 @@ import torch
 import tiered_kv as tkv
 
 NB = 32
-K_BYTES, V_BYTES = 96 * 1024, 32 * 1024  # 128 KiB blocks: copies long enough to race a cancel
+K_BYTES, V_BYTES = 384 * 1024, 128 * 1024  # 512 KiB blocks: batches go to the copy thread and race a cancel
 
 
 def make_kv(device: str):
@@ -86,7 +86,7 @@ async def test_cancelled_loads_and_stores_never_touch_blocks_after_returning(dev
             if rng.random() < 0.5:
                 keys = rng.sample(pool, 4)
                 for k in keys:
-                    if k not in cache.cpu.ready:  # evicted by the stores: put it back
+                    if k not in cache.manager.cpu.resident():  # evicted by the stores: put it back
                         write(kv, ids[0], k)
                         await cache.store([k], [ids[0]])
                         owner[ids[0]] = k
@@ -118,7 +118,7 @@ async def test_cancelled_loads_and_stores_never_touch_blocks_after_returning(dev
         bad = [g for g in range(NB) if not holds(kv, g, owner[g])]
         assert not bad, f"GPU blocks {bad} do not hold what their last owner wrote"
         # What the CPU tier holds for a key is that key's bytes or nothing.
-        for k, slot in cache.cpu.ready.items():
+        for k, slot in cache.manager.cpu.resident().items():
             for r, region in enumerate(cache.slabs.regions):
                 want = pattern(stored_keys[k], region.shape[1])
                 assert torch.equal(region[slot], want), f"CPU slot {slot} region {r} holds wrong bytes"

@@ -80,7 +80,7 @@ def test_plan_and_the_cache_count_the_same_slots():
     layout = tkv.KVLayout.from_tensors(kv_pair(), NB, block_tokens=16)
     cache = tkv.TieredKVCache(cfg, layout)
     planned = {t["tier"]: t["slots"] for t in plan(cfg)["tiers"]}
-    assert planned == {"gpu": NB, "cpu": cache.cpu.num_slots}
+    assert planned == {"gpu": NB, "cpu": cache.manager.cpu.num_slots}
     assert {t["tier"]: t["slots"] for t in plan(cfg, layout)["tiers"]} == planned
 
 
@@ -107,7 +107,7 @@ async def test_bad_keys_and_ids_fail_at_the_call_and_leak_nothing():
             with pytest.raises(tkv.BlockIdError, match=why):
                 await cache.store(good[:1], ids)
         cache.check_invariants()
-        assert cache.cpu.used == 0  # nothing reserved by a refused call
+        assert cache.manager.cpu.used == 0  # nothing reserved by a refused call
         fill(kv, 0, good[0])
         assert (await cache.store(good[:1], np.array([0]))).stored == 1  # numpy ints are ints
         assert await cache.load(good[:1], torch.tensor([5])) == 1

@@ -5,27 +5,38 @@ check (``query()``) that it is still running when the copy is queued, so they
 fail if the engine skips its stream waits instead of passing by luck. Nothing
 between the sleep and the submit may synchronise the host (no list indexing,
 no ``.cpu()``): index tensors are built on the GPU beforehand.
+
+CPU regions come in the two shapes the engine accepts: column views of one
+block-major pinned slab (the CPU tier's layout) and separate pinned tensors.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
 
 from tiered_kv.errors import LayoutError, TransferError
+from tiered_kv.layout import KVLayout
+from tiered_kv.tiers.cpu import CpuSlabs
 from tiered_kv.transfer import CUDAStreamEngine, Direction, HostCopyEngine, make_engine
 
 pytestmark = pytest.mark.gpu
 
 MiB = 1 << 20
 SPIN_CYCLES = 200_000_000  # ~0.1 s at ~2 GHz: far longer than any copy below
+LAYOUTS = ["slab", "separate"]
 
 
-def regions(num_blocks=32, num_slots=32, block_bytes=(MiB, 4096)):
+def regions(num_blocks=32, num_slots=32, block_bytes=(MiB, 4096), layout="slab"):
     gpu = [torch.zeros((num_blocks, b), dtype=torch.uint8, device="cuda") for b in block_bytes]
-    cpu = [torch.zeros((num_slots, b), dtype=torch.uint8).pin_memory() for b in block_bytes]
+    if layout == "separate":
+        cpu = [torch.zeros((num_slots, b), dtype=torch.uint8).pin_memory() for b in block_bytes]
+    else:  # as CpuSlabs lays it out: slab[:, off:off + b] per region
+        slab = torch.zeros((num_slots, sum(block_bytes)), dtype=torch.uint8).pin_memory()
+        cpu = list(torch.split(slab, list(block_bytes), dim=1))
     return gpu, cpu
 
 
@@ -33,12 +44,14 @@ def gpu_index(ids):
     return torch.tensor(ids, dtype=torch.int64, device="cuda")
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("gpu_ids", [list(range(8)), [17, 3, 29, 8, 11, 0, 25, 6]])
-async def test_store_sees_what_the_compute_stream_wrote(gpu_ids):
-    gpu, cpu = regions()
+async def test_store_sees_what_the_compute_stream_wrote(gpu_ids, layout):
+    gpu, cpu = regions(layout=layout)
     idx = gpu_index(gpu_ids)
     torch.cuda.synchronize()
     async with CUDAStreamEngine(gpu, cpu) as engine:
+        assert engine.block_major == (layout == "slab")
         torch.cuda._sleep(SPIN_CYCLES)  # a long kernel on the compute stream...
         for g in gpu:
             g.index_fill_(0, idx, 7)  # ...then the write the store must copy
@@ -50,9 +63,10 @@ async def test_store_sees_what_the_compute_stream_wrote(gpu_ids):
         assert bool((c[8:] == 0).all())
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("gpu_ids", [[0, 1, 2, 3], [9, 2, 30, 5]])
-async def test_load_never_overwrites_blocks_the_compute_stream_still_reads(gpu_ids):
-    gpu, cpu = regions()
+async def test_load_never_overwrites_blocks_the_compute_stream_still_reads(gpu_ids, layout):
+    gpu, cpu = regions(layout=layout)
     idx = gpu_index(gpu_ids)
     for g, c in zip(gpu, cpu, strict=True):
         g.fill_(1)
@@ -68,6 +82,30 @@ async def test_load_never_overwrites_blocks_the_compute_stream_still_reads(gpu_i
     for s, g in zip(seen, gpu, strict=True):
         assert bool((s == 1).all()), "load overwrote blocks before the compute stream read them"
         assert bool((torch.index_select(g, 0, idx) == 9).all())
+
+
+@pytest.mark.parametrize("direction", list(Direction))
+async def test_submit_does_not_wait_for_the_copy_stream(direction):
+    # A strided host copy would stage through pageable memory and synchronise the
+    # calling (loop) thread; the block-major path must only queue work.
+    gpu, cpu = regions()
+    async with CUDAStreamEngine(gpu, cpu) as engine:
+        assert engine.block_major
+        # Warm-up, same batch size: the pinned index pool and both staging buffers exist afterwards.
+        await engine.submit_store([5, 1, 9, 2], [0, 1, 2, 3])
+        await engine.submit_load([0, 1, 2, 3], [5, 1, 9, 2])
+        stream = engine.stream(direction)
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(5 * SPIN_CYCLES)
+        t0 = time.perf_counter()
+        if direction is Direction.STORE:
+            handle = engine.submit_store([17, 3, 29, 8], [4, 5, 20, 21])
+        else:
+            handle = engine.submit_load([4, 5, 20, 21], [17, 3, 29, 8])
+        elapsed = time.perf_counter() - t0
+        assert not stream.query() and not handle.done(), "submit waited for the copy stream"
+        assert elapsed < 0.1, f"submit took {elapsed:.3f} s with the copy stream busy"
+        await handle
 
 
 async def test_compute_stream_can_wait_on_the_load_event():
@@ -134,15 +172,18 @@ async def test_cancelled_waiter_leaves_the_copy_running():
         assert bool((c[0] == 3).all())
 
 
-async def test_staging_in_small_chunks_is_byte_exact():
+@pytest.mark.parametrize("layout", LAYOUTS)
+async def test_staging_in_small_chunks_is_byte_exact(layout):
+    widths = (8192, 300, 64)
     gen = torch.Generator().manual_seed(0)
-    gpu = [torch.randint(0, 256, (40, b), dtype=torch.uint8, generator=gen).cuda() for b in (8192, 300)]
-    cpu = [torch.zeros((40, b), dtype=torch.uint8).pin_memory() for b in (8192, 300)]
-    original = [g.cpu() for g in gpu]
-    gpu_ids = [31, 2, 17, 8, 39, 0, 22, 13, 5]
-    slots = [3, 4, 5, 6, 7, 20, 21, 30, 11]
-    targets = [38, 1, 19, 7, 33, 10, 25, 14, 3]
-    async with CUDAStreamEngine(gpu, cpu, staging_bytes=2 * 8192) as engine:
+    original = [torch.randint(0, 256, (40, b), dtype=torch.uint8, generator=gen) for b in widths]
+    gpu, cpu = regions(40, 40, widths, layout)
+    for g, o in zip(gpu, original, strict=True):
+        g.copy_(o)
+    gpu_ids = [31, 2, 17, 8, 39, 0, 22, 13, 5, 6, 7]
+    slots = [3, 4, 5, 6, 7, 20, 21, 30, 11, 12, 13]
+    targets = [38, 1, 19, 7, 33, 10, 25, 14, 3, 4, 5]
+    async with CUDAStreamEngine(gpu, cpu, staging_bytes=2 * sum(widths)) as engine:
         await engine.submit_store(gpu_ids, slots)
         await engine.submit_load(slots, targets)
     for o, c, g in zip(original, cpu, gpu, strict=True):
@@ -150,10 +191,45 @@ async def test_staging_in_small_chunks_is_byte_exact():
         assert torch.equal(g.cpu()[targets], o[gpu_ids])
 
 
-def test_unpinned_cpu_regions_are_refused():
+async def test_round_trip_through_the_pinned_cpu_tier():
+    # The real CPU tier: one slab registered with cudaHostRegister, strided region views.
+    layout = KVLayout.from_block_bytes([4096, 300, 2048], num_blocks=24)
+    tier = CpuSlabs(layout, 16, pin="on")
+    try:
+        gen = torch.Generator().manual_seed(1)
+        widths = layout.region_block_bytes
+        original = [torch.randint(0, 256, (24, b), dtype=torch.uint8, generator=gen) for b in widths]
+        gpu = [o.cuda() for o in original]
+        async with CUDAStreamEngine(gpu, tier.regions) as engine:
+            assert engine.block_major
+            await engine.submit_store([20, 3, 11, 12, 0], [8, 9, 10, 2, 3])
+            for g in gpu:
+                g.zero_()
+            await engine.submit_load([8, 9, 10, 2, 3], [1, 5, 6, 7, 23])
+        for o, c, g in zip(original, tier.regions, gpu, strict=True):
+            assert torch.equal(c[[8, 9, 10, 2, 3]], o[[20, 3, 11, 12, 0]])
+            assert torch.equal(g.cpu()[[1, 5, 6, 7, 23]], o[[20, 3, 11, 12, 0]])
+    finally:
+        tier.release()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_unpinned_cpu_regions_are_refused(layout):
+    gpu = [torch.zeros((4, 64), dtype=torch.uint8, device="cuda") for _ in range(2)]
+    slab = torch.zeros((4, 128), dtype=torch.uint8)
+    if layout == "slab":
+        cpu = [slab[:, :64], slab[:, 64:]]
+    else:
+        cpu = [torch.zeros((4, 64), dtype=torch.uint8) for _ in range(2)]
+    with pytest.raises(TransferError, match=r"cpu regions \[0, 1\] are not pinned"):
+        CUDAStreamEngine(gpu, cpu)
+
+
+def test_strided_cpu_regions_outside_a_slab_are_refused():
     gpu = [torch.zeros((4, 64), dtype=torch.uint8, device="cuda")]
-    with pytest.raises(TransferError, match=r"cpu regions \[0\] are not pinned"):
-        CUDAStreamEngine(gpu, [torch.zeros((4, 64), dtype=torch.uint8)])
+    wide = torch.zeros((4, 128), dtype=torch.uint8).pin_memory()
+    with pytest.raises(LayoutError, match="row stride of 128 bytes for 64-byte rows"):
+        CUDAStreamEngine(gpu, [wide[:, :64]])
 
 
 async def test_streams_have_the_lowest_priority_and_auto_picks_cuda():

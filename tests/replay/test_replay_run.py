@@ -17,7 +17,7 @@ from tiered_kv.cli import main
 from tiered_kv.replay.engine import EngineEmulator, GpuPrefixCache, key_patterns, region_rows, run_requests
 from tiered_kv.replay.run import load_requests, make_kv, replay_async, resolve_config, run_replay
 from tiered_kv.replay.trace import Request
-from tiered_kv.tiers.disk_format import DATA_FILE, HEADER_SIZE
+from tiered_kv.tiers.disk.format import DATA_FILE, HEADER_SIZE
 
 TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 BLOCK = 4096
@@ -111,7 +111,7 @@ def test_malformed_trace_exits_2_naming_the_line(tmp_path, capsys):
     cfg = write_config(tmp_path, small_config(tmp_path))
     assert main(["replay", "--config", cfg, "--trace", str(trace), "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "bad.jsonl:3" in err
+    assert err.startswith("tiered-kv: error: ") and "bad.jsonl:3" in err and err.count("\n") == 1
 
 
 def test_bad_block_bytes_is_a_config_error(tmp_path, capsys):
@@ -151,7 +151,7 @@ async def test_flipped_cpu_byte_is_counted_corrupt_and_recomputed(tmp_path):
         await first.run_request(req)
         first.close()
         keys = cache.keyer.keys_for_block_ids(req.hash_ids)
-        slot = cache.cpu.ready[keys[2]]
+        slot = int(cache.manager.cpu.find_ready([keys[2]])[0])
         cache.slabs.regions[0][slot, 7] ^= 0xFF  # the CPU tier has no checksum: only the emulator can tell
         fresh = EngineEmulator(cache, regions)  # an empty GPU prefix cache over the same tensors
         await fresh.run_request(req)
@@ -220,3 +220,90 @@ async def test_metrics_port_serves_and_speed_paces(tmp_path):
     res = await replay_async(cfg, reqs, metrics_port=port, before_close=scrape)
     assert "tiered_kv_bytes_total" in scraped["body"]
     assert res.stats.requests == 20 and res.wall_s >= 0.038
+
+
+# -- issue 9: input the replay used to choke on, and what it leaves behind ----------------------------
+def test_unsigned_64_bit_hash_ids_replay_end_to_end(tmp_path):
+    """Ids >= 2^63 (legal 64-bit hashes) used to overflow the keyer's int64 packing."""
+    cfg = resolve_config(small_config(tmp_path, requests=3), concurrency=1)
+    big = [2**63, 2**64 - 1, 2**63 + 5]
+    reqs = _reqs(big, big + [7], [5, 2**63 + 5])
+    res = run_replay(cfg, reqs)
+    assert res.stats.requests == 3 and res.stats.corrupt == 0
+    assert res.stats.hits_gpu == 3  # the second request reuses the first one's three blocks
+    assert res.stats.computed == 3 + 1 + 2  # 5 and 2^63 + 5 are different blocks, not wrapped onto each other
+
+
+async def test_a_request_longer_than_the_gpu_is_cut_before_it_is_hashed(tmp_path):
+    """A 50 MB line cut to 64 blocks took 26 s: every id was hashed first. Ids past the cut are
+    never keyed now; a non-integer there (it would fail to hash) proves it."""
+    cache, regions = await _open(tmp_path, gpu=8, cpu=16, disk=16)
+    try:
+        engine = EngineEmulator(cache, regions)
+        await engine.run_request(Request(0.0, 512 * 9, 1, (*range(8), "never hashed")))  # type: ignore[arg-type]
+        engine.close()
+        assert (engine.stats.block_refs, engine.stats.truncated, engine.stats.computed) == (9, 1, 8)
+    finally:
+        await cache.aclose()
+
+
+def test_pacing_that_would_wait_over_a_day_is_refused(tmp_path):
+    from tiered_kv.replay.run import check_pacing
+
+    hour = [Request(0.0, 512, 1, (1,)), Request(3_600_000.0, 512, 1, (2,))]
+    with pytest.raises(tkv.ConfigError, match=r"replay\.speed: 1e-09 would pace this trace's 3600 s .* speed >= 0\.0417"):
+        check_pacing(hour, 1e-9)
+    check_pacing(hour, 0.05)  # 20 hours: allowed
+    check_pacing(hour, 0.0)  # as fast as possible
+    cfg = resolve_config(small_config(tmp_path, requests=50), speed=1e-6)
+    with pytest.raises(tkv.ConfigError, match=r"replay\.speed"):  # the built-in workload is paced too
+        load_requests(cfg)
+
+
+def test_block_bytes_below_the_minimum_is_refused(tmp_path):
+    with pytest.raises(tkv.ConfigError, match=r"replay\.block_bytes: 1 bytes is below the minimum of 512"):
+        resolve_config(small_config(tmp_path), block_bytes=1)
+    assert resolve_config(small_config(tmp_path), block_bytes=512).bytes_per_block == 512
+
+
+def test_emulated_gpu_beyond_memory_is_refused_before_allocating(tmp_path):
+    data = small_config(tmp_path)
+    data["gpu"]["num_blocks"] = 2**31  # 8 TiB of 4 KiB blocks: check-config accepts it, the replay cannot
+    cfg = resolve_config(data)
+    with pytest.raises(tkv.ConfigError, match=r"gpu\.num_blocks: the replay's emulated KV cache of 2147483648 blocks"):
+        make_kv(cfg)
+
+
+def test_replay_keeps_a_configured_directory_it_did_not_create(tmp_path):
+    mine = tmp_path / "users-empty-dir"
+    mine.mkdir()
+    data = small_config(tmp_path, requests=10)
+    data["tiers"]["disk"]["path"] = str(mine)
+    run_replay(resolve_config(data), load_requests(resolve_config(data)))
+    assert mine.is_dir() and not any(mine.iterdir())  # its replay-<pid> is gone, the directory stays
+
+
+def test_replay_removes_the_directories_it_created(tmp_path):
+    data = small_config(tmp_path, requests=10)
+    data["tiers"]["disk"]["path"] = str(tmp_path / "new" / "cache")
+    run_replay(resolve_config(data), load_requests(resolve_config(data)))
+    assert not (tmp_path / "new").exists()
+
+
+def test_replay_runs_a_minimal_config_with_the_placeholder_model_id(tmp_path, capsys):
+    """The replay's bytes are synthetic and its disk directory fresh, so it may use the placeholder
+    id that check-config refuses for a disk tier."""
+    path = tmp_path / "minimal.yaml"
+    path.write_text(
+        f"tiers:\n  cpu:\n    capacity: 1MiB\n  disk:\n    enabled: true\n    path: {tmp_path / 'disk'}\n"
+        "    capacity: 2MiB\nreplay:\n  num_requests: 10\n"
+    )
+    with pytest.raises(tkv.ConfigError, match="placeholder"):
+        tkv.load_config(path)
+    cfg = resolve_config(str(path), block_bytes="16KiB")
+    assert cfg.model.model_id == "demo-model" and cfg.model.allow_placeholder_id
+    rc, rep = run_cli(capsys, ["replay", "--config", str(path), "--json", "--block-bytes", "16KiB"])
+    assert rc == 0 and rep["requests"] == 10
+    path.write_text("tiers:\n  cpu:\n    capacity: 1\n")
+    with pytest.raises(tkv.ConfigError, match=rf"{path.name}: tiers\.cpu\.capacity: 1 bytes"):  # names the file
+        resolve_config(str(path))

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tiered_kv.errors import TieredKVError, TraceError
-from tiered_kv.replay.trace import Request, parse_trace_lines, read_trace
+from tiered_kv.replay.trace import MAX_HASH_IDS, MAX_LINE_BYTES, Request, parse_trace_lines, read_trace
 
 GOOD = [
     {"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [0, 1]},
@@ -101,6 +101,17 @@ MALFORMED = {
     "bool hash id": (_obj(hash_ids=[False]), "hash_ids[0] must be an integer"),
     "float hash id": (_obj(hash_ids=[1, 2, 3.0]), "hash_ids[2] must be an integer"),
     "negative hash id": (_obj(hash_ids=[0, -1]), "hash_ids[1] must be >= 0"),
+    # issue 9: each of these was a traceback (OverflowError, RecursionError, ValueError) or an absurd value
+    "hash id 2^64": (_obj(hash_ids=[2**64 - 1, 2**64]), "hash_ids[1] must be < 2^64"),
+    "timestamp 10^400 (int)": (_obj(timestamp=10**400), "'timestamp' must be <= 2^53 ms, got an integer of about 2^1328"),
+    "timestamp 1e400 (inf)": ('{"timestamp": 1e400, "input_length": 1, "output_length": 1, "hash_ids": [1]}', "finite"),
+    "timestamp over 2^53": (_obj(timestamp=2.0**60), "'timestamp' must be <= 2^53 ms"),
+    "nested timestamp": (_obj(timestamp={"ms": [1, {"at": 2}]}), "'timestamp' must be a finite number, got a JSON object"),
+    "nested hash id": (_obj(hash_ids=[1, [2, [3]]]), "hash_ids[1] must be an integer, got a JSON array"),
+    "deep nesting": (_obj(hash_ids=[]).replace("[]", "[" * 5000 + "]" * 5000), "invalid JSON (nested too deeply)"),
+    "5000-digit number": (_obj(input_length=0).replace('"input_length": 0', '"input_length": ' + "9" * 5000), "invalid JSON"),
+    "input_length 2^64": (_obj(input_length=2**64), "'input_length' must be < 2^64"),
+    "too many hash ids": (_obj(hash_ids=[1] * (MAX_HASH_IDS + 1)), f"hash_ids has {MAX_HASH_IDS + 1} ids, over the maximum"),
 }
 
 
@@ -145,3 +156,37 @@ def test_trace_error_is_a_tiered_kv_value_error():
         parse_trace_lines(["[]"])
     with pytest.raises(ValueError):
         parse_trace_lines(["[]"])
+
+
+def test_unsigned_64_bit_hash_ids_are_legal(tmp_path):
+    ids = [0, 2**63 - 1, 2**63, 2**64 - 1]
+    path = _write(tmp_path, [_obj(hash_ids=ids)])
+    assert read_trace(path)[0].hash_ids == tuple(ids)
+
+
+def test_overlong_line_is_refused_unparsed_with_bounded_memory(tmp_path):
+    """A 50 MB line (26 s and 1.2 GB before): refused by its length, never read whole."""
+    import tracemalloc
+
+    path = tmp_path / "long.jsonl"
+    ids = ",".join(["123456789"] * 5_000_000)
+    path.write_text(json.dumps(GOOD[0]) + f'\n{{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [{ids}]}}\n')
+    tracemalloc.start()
+    try:
+        with pytest.raises(TraceError, match=rf"{path.name}:2: line longer than {MAX_LINE_BYTES} bytes"):
+            read_trace(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * MAX_LINE_BYTES  # the line is 50 MB; at most one bounded read of it is held
+
+
+def test_line_of_exactly_the_limit_is_parsed(tmp_path):
+    head = json.dumps(GOOD[0])[:-1] + ', "pad": "'
+    line = head + "x" * (MAX_LINE_BYTES - len(head) - 2) + '"}'
+    assert len(line) == MAX_LINE_BYTES
+    path = tmp_path / "edge.jsonl"
+    path.write_text(line + "\n" + line + "\n")
+    assert len(read_trace(path)) == 2
+    with pytest.raises(TraceError, match="mem:1: line longer than"):
+        parse_trace_lines([line + "x"], source="mem")

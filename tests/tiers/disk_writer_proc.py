@@ -4,7 +4,8 @@ usage: disk_writer_proc.py ROOT SEED NUM_SLOTS
 
 Block contents derive from the key alone (``payload``), and a key's slot from the key and NUM_SLOTS
 (``slot_of``), so the checker can verify any recovered block without talking to this process. Four
-concurrent writers (like the spiller), overwriting slots, with an occasional invalidate(); a tiny
+concurrent writers (like the spiller), each writing batches of 1-12 blocks (write_many: runs of adjacent
+slots, one journal append per batch), overwriting slots, with an occasional invalidate_many(); a tiny
 compaction slack makes journal compactions (temp file + os.replace) frequent enough to be killed mid-way.
 """
 
@@ -25,11 +26,13 @@ if "tiered_kv" not in sys.modules:
     _pkg.__path__ = [str(Path(__file__).resolve().parents[2] / "tiered_kv")]
     sys.modules["tiered_kv"] = _pkg
 
-from tiered_kv.tiers.disk_format import DiskNamespace  # noqa: E402
-from tiered_kv.tiers.disk_store import DiskStore  # noqa: E402
+import numpy as np  # noqa: E402
+from disk_helpers import key_rows, slab_of  # noqa: E402
 
-PARTS = [4096, 1000, 3]
-NS = DiskNamespace("crash-model", "float16", "crash-layout", sum(PARTS), 32)
+from tiered_kv.tiers.disk import DiskNamespace, DiskStore  # noqa: E402
+
+BPB = 4096 + 1000 + 3
+NS = DiskNamespace("crash-model", "float16", "crash-layout", BPB, 32)
 
 
 def key_of(seed: int, i: int) -> bytes:
@@ -41,43 +44,40 @@ def slot_of(key: bytes, num_slots: int) -> int:
 
 
 def payload(key: bytes) -> bytes:
-    return hashlib.shake_128(key).digest(sum(PARTS))
-
-
-def split(data: bytes) -> list[memoryview]:
-    mv, out, pos = memoryview(data), [], 0
-    for n in PARTS:
-        out.append(mv[pos : pos + n])
-        pos += n
-    return out
+    return hashlib.shake_128(key).digest(BPB)
 
 
 async def main(root: str, seed: int, num_slots: int) -> None:
-    store = DiskStore(root, NS, num_slots, PARTS)
+    store = DiskStore(root, NS, num_slots)
     store.compact_slack = 8
     await store.open()
     print("ready", flush=True)
     rng = random.Random(seed)
-    busy: set[int] = set()
+    busy = np.zeros(num_slots, bool)
     counter = iter(range(10**9))
     deadline = time.monotonic() + 30  # a safety net; the test kills us long before
 
     async def worker() -> None:
         while time.monotonic() < deadline:
-            key = key_of(seed, next(counter))
-            slot = slot_of(key, num_slots)
-            if slot in busy:  # the cache never writes one slot twice at once
+            keys, slots = [], []
+            for _ in range(rng.randint(1, 12)):
+                key = key_of(seed, next(counter))
+                slot = slot_of(key, num_slots)
+                if not busy[slot] and slot not in slots:  # the cache never writes one slot twice at once
+                    keys.append(key)
+                    slots.append(slot)
+            if not keys:
                 await asyncio.sleep(0)
                 continue
-            busy.add(slot)
+            busy[slots] = True
             try:
-                await store.write(slot, key, split(payload(key)))
+                ok = await store.write_many(np.array(slots), key_rows(keys), slab_of(keys, BPB), np.arange(len(keys)))
+                assert ok.all()
             finally:
-                busy.discard(slot)
+                busy[slots] = False
             if rng.random() < 0.05:
-                victim = rng.randrange(num_slots)
-                if victim not in busy:
-                    store.invalidate(victim)
+                victims = np.array([v for v in rng.sample(range(num_slots), 3) if not busy[v]], np.int64)
+                store.invalidate_many(victims)
 
     await asyncio.gather(*(worker() for _ in range(4)))
     await store.aclose()

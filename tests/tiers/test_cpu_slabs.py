@@ -7,7 +7,7 @@ import tiered_kv as tkv
 from tiered_kv.tiers.cpu import CpuSlabs, mem_available
 
 
-def test_one_slab_per_region_with_the_schedulers_slot_count():
+def test_one_block_major_slab_with_the_schedulers_slot_count():
     layout = tkv.KVLayout.from_block_bytes([4096, 300, 64], num_blocks=8)
     capacity = 10_000_000
     slots = layout.slots_for(capacity)
@@ -15,10 +15,13 @@ def test_one_slab_per_region_with_the_schedulers_slot_count():
     assert slots == capacity // (4096 + 300 + 64)
     assert [tuple(r.shape) for r in slabs.regions] == [(slots, 4096), (slots, 300), (slots, 64)]
     assert slabs.nbytes == slots * layout.bytes_per_block  # exact size, no power-of-two rounding
-    slabs.regions[1].zero_()  # slabs are not zeroed: a slot is written before it is ever READY
-    parts = slabs.block_parts(3)
-    parts[1][:] = b"\x07" * 300
-    assert torch.all(slabs.regions[1][3] == 7) and int(slabs.regions[1][2].sum()) == 0
+    assert tuple(slabs.slab.shape) == (slots, layout.bytes_per_block) and slabs.offsets == [0, 4096, 4396]
+    slabs.slab[2:5].zero_()  # slabs are not zeroed: a slot is written before it is ever READY
+    slabs.regions[1][3].fill_(7)  # region 1 of block 3 is 300 bytes inside row 3
+    row = bytes(slabs.rows(3, 1))
+    assert row[4096:4396] == b"\x07" * 300 and row.count(7) == 300
+    run = slabs.rows(2, 3)  # consecutive slots are one contiguous buffer
+    assert run.nbytes == 3 * layout.bytes_per_block and bytes(run[layout.bytes_per_block :][:len(row)]) == row
     assert not slabs.pinned
     slabs.release()
 

@@ -9,22 +9,20 @@ import os
 import shutil
 
 import pytest
+from disk_helpers import put
 
 from tiered_kv.errors import DiskError
-from tiered_kv.tiers.disk_admin import is_stale, list_namespaces, remove_namespaces
-from tiered_kv.tiers.disk_format import DiskNamespace
-from tiered_kv.tiers.disk_store import DiskStore
+from tiered_kv.tiers.disk import DiskNamespace, DiskStore
+from tiered_kv.tiers.disk.admin import is_stale, list_namespaces, remove_namespaces
 
-PARTS = [3000, 96]
 A = DiskNamespace("model-a", "float16", "layout-1", 3096, 32)
 B = DiskNamespace("model-b", "bfloat16", "layout-2", 3096, 16)
 
 
 async def fill(root, ns: DiskNamespace, n: int) -> None:
-    async with DiskStore(root, ns, 8, PARTS) as store:
-        for i in range(n):
-            key = hashlib.sha256(f"{ns.model_id}{i}".encode()).digest()[: ns.key_bytes]
-            await store.write(i, key, [bytearray(3000), bytearray(96)])
+    async with DiskStore(root, ns, 8) as store:
+        keys = [hashlib.sha256(f"{ns.model_id}{i}".encode()).digest()[: ns.key_bytes] for i in range(n)]
+        assert (await put(store, range(n), keys)).all()
 
 
 async def test_ls_shows_namespaces_with_fields(tmp_path):
@@ -50,7 +48,7 @@ async def test_gc_removes_only_chosen(tmp_path):
     assert remove_namespaces(tmp_path, stale) == stale
     assert not (tmp_path / B.dirname()).exists()
     assert [i.dirname for i in list_namespaces(tmp_path)] == [A.dirname()]
-    async with DiskStore(tmp_path, A, 8, PARTS) as store:  # the kept one is intact
+    async with DiskStore(tmp_path, A, 8) as store:  # the kept one is intact
         assert len(store.recovered) == 2
 
 
@@ -93,7 +91,7 @@ async def test_gc_refuses_copied_json_foreign_files_symlinks_and_open_stores(tmp
         remove_namespaces(linkroot, [A.dirname()])
     assert (other / A.dirname() / "namespace.json").exists()
     # an open store holds the lock
-    async with DiskStore(tmp_path, A, 8, PARTS):
+    async with DiskStore(tmp_path, A, 8):
         with pytest.raises(DiskError) as ei:
             remove_namespaces(tmp_path, [A.dirname()])
         assert ei.value.errno == errno.EBUSY

@@ -1,6 +1,6 @@
 """kill -9 a real writer process at random moments; every recovered block must verify with exact bytes.
 
-The writer (disk_writer_proc.py) runs four concurrent writes over few slots, overwrites constantly,
+The writer (disk_writer_proc.py) runs four concurrent batch writers over few slots, overwrites constantly,
 invalidates now and then and compacts its journal often. Half the kills land after it reports ready (in
 the write loop), half at a random time since spawn (during start-up, recovery or the first writes). The
 slot count alternates between runs, so recovery also drops and regrows slots across crashes.
@@ -18,7 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-from tiered_kv.tiers.disk_store import DiskStore
+import pytest
+from disk_helpers import get
+
+from tiered_kv.tiers.disk import DiskStore
 
 HERE = Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location("disk_writer_proc", HERE / "disk_writer_proc.py")
@@ -32,20 +35,22 @@ SLOT_COUNTS = (64, 48)
 async def check_dir(root: str, num_slots: int) -> tuple[int, int, int]:
     """Open after a crash; return (recovered, served exact, failed verification). Wrong bytes fail the test."""
     served = failed = 0
-    async with DiskStore(root, proc_mod.NS, num_slots, proc_mod.PARTS) as store:
+    async with DiskStore(root, proc_mod.NS, num_slots) as store:
         rec = store.recovered
         assert [r.seq for r in rec] == sorted(r.seq for r in rec)
         for r in rec:
             assert r.slot in {proc_mod.slot_of(r.key, n) for n in SLOT_COUNTS} and r.slot < num_slots
-            parts = [bytearray(n) for n in proc_mod.PARTS]
-            if await store.read(r.slot, r.key, parts):
-                assert b"".join(parts) == proc_mod.payload(r.key), f"wrong bytes served at slot {r.slot}"
+        got = await get(store, [r.slot for r in rec], [r.key for r in rec]) if rec else []
+        for r, data in zip(rec, got, strict=True):
+            if data is not None:
+                assert data == proc_mod.payload(r.key), f"wrong bytes served at slot {r.slot}"
                 served += 1
             else:
                 failed += 1
     return len(rec), served, failed
 
 
+@pytest.mark.slow  # ~15 s: two dozen real writer processes
 async def test_kill9_at_random_moments(tmp_path):
     rng = random.Random(1234)
     root = str(tmp_path / "disk")

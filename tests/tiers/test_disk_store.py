@@ -17,13 +17,13 @@ import subprocess
 
 import numpy as np
 import pytest
+from disk_helpers import get, get1, key_rows, put, slab_of
 
-from tiered_kv.errors import DiskError, LayoutError
-from tiered_kv.tiers.disk_format import HEADER_SIZE, JREC_SIZE, DiskNamespace
-from tiered_kv.tiers.disk_store import DiskStore
+from tiered_kv.errors import ConfigError, DiskError, KeyFormatError, LayoutError
+from tiered_kv.tiers.disk import DiskNamespace, DiskStore
+from tiered_kv.tiers.disk.format import HEADER_SIZE, JREC_SIZE
 
-PARTS = [4096, 1000, 3]
-BPB = sum(PARTS)
+BPB = 4096 + 1000 + 3  # not a multiple of anything: records carry padding
 NS = DiskNamespace("model-a", "float16", "layout-1", BPB, 32)
 
 
@@ -35,26 +35,18 @@ def payload(key: bytes) -> bytes:
     return hashlib.shake_128(key).digest(BPB)
 
 
-def split(data: bytes) -> list[bytearray]:
-    out, pos = [], 0
-    for n in PARTS:
-        out.append(bytearray(data[pos : pos + n]))
-        pos += n
-    return out
-
-
 async def read_bytes(store: DiskStore, slot: int, key: bytes) -> bytes | None:
-    parts = [bytearray(n) for n in PARTS]
-    return b"".join(parts) if await store.read(slot, key, parts) else None
+    return await get1(store, slot, key)
 
 
 async def write(store: DiskStore, slot: int, key: bytes) -> None:
-    await store.write(slot, key, split(payload(key)))
+    assert (await put(store, [slot], [key])).all()
 
 
 def mount_tmpfs(path, opts: str) -> None:
     os.makedirs(path, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True)
+    # mode=0700: a tmpfs root is 1777 by default, which the disk tier refuses (world-writable)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"{opts},mode=0700", "tmpfs", str(path)], capture_output=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount tmpfs here (container?): {r.stderr.decode().strip()}")
 
@@ -63,67 +55,65 @@ def umount(path) -> None:
     subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
-async def test_round_trip_many_blocks_multi_part(tmp_path):
+async def test_round_trip_many_blocks_in_concurrent_batches(tmp_path):
     n = 200
-    slab = np.zeros((n, PARTS[0]), np.uint8)  # like CPU slab rows: part 0 is a row of a numpy array
-    async with DiskStore(tmp_path, NS, n, PARTS) as store:
-        sem = asyncio.Semaphore(8)
-
-        async def put(i):
-            data = payload(key_of(i))
-            slab[i] = np.frombuffer(data[:4096], np.uint8)
-            async with sem:
-                await store.write(i, key_of(i), [slab[i], memoryview(data[4096:5096]), data[5096:]])
-
-        await asyncio.gather(*(put(i) for i in range(n)))
-        out = np.zeros((n, PARTS[0]), np.uint8)
-        for i in range(n):
-            rest = [bytearray(1000), bytearray(3)]
-            assert await store.read(i, key_of(i), [out[i], *rest])
-            assert out[i].tobytes() + b"".join(rest) == payload(key_of(i))
+    keys = [key_of(i) for i in range(n)]
+    slab = slab_of(keys, BPB)  # like the CPU slab: one row per block
+    async with DiskStore(tmp_path, NS, n) as store:
+        rows = np.random.default_rng(3).permutation(n)  # disk slot i <- slab row rows[i]
+        batches = [np.arange(i, n, 8) for i in range(8)]  # 8 concurrent batches, none with adjacent slots
+        oks = await asyncio.gather(*(store.write_many(b, key_rows([keys[r] for r in rows[b]]), slab, rows[b])
+                                     for b in batches))
+        assert all(ok.all() for ok in oks)
+        assert store.write_syscalls == n  # no two slots of a batch are adjacent: one run per block
+        out = np.zeros_like(slab)
+        order = np.random.default_rng(4).permutation(n)  # read back in another order into other rows
+        ok = await store.read_many(order, key_rows([keys[rows[i]] for i in order]), out, np.arange(n))
+        assert ok.all() and np.array_equal(out, slab[rows[order]])
+        assert store.read_syscalls == 1  # every slot 0..199: one run
         assert (store.writes, store.reads, store.corrupt_blocks) == (n, n, 0)
         assert store.bytes_written == store.bytes_read == n * BPB
 
 
 async def test_overwrite_slot_and_invalidate(tmp_path):
     a, b, c = key_of(1), key_of(2), key_of(3)
-    async with DiskStore(tmp_path, NS, 8, PARTS) as store:
+    async with DiskStore(tmp_path, NS, 8) as store:
         await write(store, 5, a)
         await write(store, 5, b)
         assert await read_bytes(store, 5, b) == payload(b)
         assert await read_bytes(store, 5, a) is None  # the old key no longer verifies
         assert store.corrupt_blocks == 1
         await write(store, 6, c)
-        store.invalidate(6)
+        store.invalidate_many(np.array([6]))
         assert await read_bytes(store, 6, c) == payload(c)  # invalidate forgets for recovery, not the bytes
-    async with DiskStore(tmp_path, NS, 8, PARTS) as store:
+    async with DiskStore(tmp_path, NS, 8) as store:
         assert [(r.key, r.slot) for r in store.recovered] == [(b, 5)]
 
 
 async def test_invalidate_reaches_the_journal_at_flush(tmp_path):
     """Copy the directory while the store is open: what a crash at that moment would leave behind."""
-    async with DiskStore(tmp_path / "live", NS, 4, PARTS) as store:
+    async with DiskStore(tmp_path / "live", NS, 4) as store:
         await write(store, 1, key_of(1))
         await write(store, 2, key_of(2))
-        store.invalidate(1)
+        store.invalidate_many(np.array([1]))
         shutil.copytree(store.path, tmp_path / "before" / NS.dirname())
         await store.flush()
         shutil.copytree(store.path, tmp_path / "after" / NS.dirname())
-    async with DiskStore(tmp_path / "before", NS, 4, PARTS) as st:  # queued only: still offered, intact
+    async with DiskStore(tmp_path / "before", NS, 4) as st:  # queued only: still offered, intact
         assert sorted(r.slot for r in st.recovered) == [1, 2]
         assert await read_bytes(st, 1, key_of(1)) == payload(key_of(1))
-    async with DiskStore(tmp_path / "after", NS, 4, PARTS) as st:
+    async with DiskStore(tmp_path / "after", NS, 4) as st:
         assert [r.slot for r in st.recovered] == [2]
 
 
 async def test_restart_recovers_latest_per_slot_in_seq_order(tmp_path):
     expect = {}
-    async with DiskStore(tmp_path, NS, 16, PARTS) as store:
+    async with DiskStore(tmp_path, NS, 16) as store:
         for i in range(40):
             slot = (i * 7) % 16
             await write(store, slot, key_of(i))
             expect[slot] = key_of(i)
-    async with DiskStore(tmp_path, NS, 16, PARTS) as store:
+    async with DiskStore(tmp_path, NS, 16) as store:
         rec = store.recovered
         assert {r.slot: r.key for r in rec} == expect
         seqs = [r.seq for r in rec]
@@ -133,7 +123,7 @@ async def test_restart_recovers_latest_per_slot_in_seq_order(tmp_path):
         for r in rec:
             assert await read_bytes(store, r.slot, r.key) == payload(r.key)
         await write(store, 0, key_of(99))  # seq continues after the recovered ones
-    async with DiskStore(tmp_path, NS, 16, PARTS) as store:
+    async with DiskStore(tmp_path, NS, 16) as store:
         assert store.recovered[-1].key == key_of(99) and store.recovered[-1].seq > max(seqs)
 
 
@@ -141,12 +131,12 @@ async def test_restart_recovers_latest_per_slot_in_seq_order(tmp_path):
 async def test_namespace_isolation(tmp_path, field, value):
     other = DiskNamespace(**{**NS.__dict__, field: value})
     assert other.dirname() != NS.dirname() and len(other.dirname()) == len(NS.dirname()) == 23
-    async with DiskStore(tmp_path, NS, 4, PARTS) as store:
+    async with DiskStore(tmp_path, NS, 4) as store:
         await write(store, 0, key_of(0))
-    async with DiskStore(tmp_path, other, 4, PARTS) as store:
+    async with DiskStore(tmp_path, other, 4) as store:
         assert store.recovered == []
         assert await read_bytes(store, 0, key_of(0)) is None
-    async with DiskStore(tmp_path, NS, 4, PARTS) as store:
+    async with DiskStore(tmp_path, NS, 4) as store:
         assert len(store.recovered) == 1
 
 
@@ -156,37 +146,36 @@ def test_dirname_is_never_raw_user_text():
 
 
 async def test_namespace_json_mismatch_refused(tmp_path):
-    async with DiskStore(tmp_path, NS, 4, PARTS):
+    async with DiskStore(tmp_path, NS, 4):
         pass
     nsfile = tmp_path / NS.dirname() / "namespace.json"
     doc = json.loads(nsfile.read_text())
     nsfile.write_text(json.dumps({**doc, "model_id": "someone-else"}))
     with pytest.raises(DiskError, match="disagrees") as ei:
-        await DiskStore(tmp_path, NS, 4, PARTS).open()
+        await DiskStore(tmp_path, NS, 4).open()
     assert "model_id" in str(ei.value)
     nsfile.write_text("{not json")
     with pytest.raises(DiskError, match="namespace.json"):
-        await DiskStore(tmp_path, NS, 4, PARTS).open()
+        await DiskStore(tmp_path, NS, 4).open()
 
 
 async def test_smaller_num_slots_drops_out_of_range(tmp_path):
-    async with DiskStore(tmp_path, NS, 20, PARTS) as store:
+    async with DiskStore(tmp_path, NS, 20) as store:
         for i in range(20):
             await write(store, i, key_of(i))
-    async with DiskStore(tmp_path, NS, 10, PARTS) as store:
+    async with DiskStore(tmp_path, NS, 10) as store:
         assert sorted(r.slot for r in store.recovered) == list(range(10))
         assert os.path.getsize(os.path.join(store.path, "blocks.dat")) == 10 * store.record_size
         for r in store.recovered:
             assert await read_bytes(store, r.slot, r.key) == payload(r.key)
-    async with DiskStore(tmp_path, NS, 20, PARTS) as store:  # dropped entries do not come back
+    async with DiskStore(tmp_path, NS, 20) as store:  # dropped entries do not come back
         assert sorted(r.slot for r in store.recovered) == list(range(10))
 
 
 async def test_corruption_detected_exactly(tmp_path, caplog):
     n = 12
-    async with DiskStore(tmp_path, NS, n, PARTS) as store:
-        for i in range(n):
-            await write(store, i, key_of(i))
+    async with DiskStore(tmp_path, NS, n) as store:
+        assert (await put(store, range(n), [key_of(i) for i in range(n)])).all()  # one run
         rs = store.record_size
         data = os.path.join(store.path, "blocks.dat")
     flips = {2: HEADER_SIZE + 10, 4: HEADER_SIZE + BPB - 1, 6: 40, 8: 4, 9: HEADER_SIZE - 3}  # payload, header
@@ -196,46 +185,48 @@ async def test_corruption_detected_exactly(tmp_path, caplog):
             b = f.read(1)
             f.seek(slot * rs + off)
             f.write(bytes([b[0] ^ 0x55]))
-    async with DiskStore(tmp_path, NS, n, PARTS) as store:
+    async with DiskStore(tmp_path, NS, n) as store:
         assert len(store.recovered) == n  # the journal is fine; reads catch the damage
         os.truncate(data, (n - 1) * rs + HEADER_SIZE + 100)  # cut the last record while open: a short read
         caplog.set_level(logging.WARNING, "tiered_kv.disk")
-        bad = {i for i in range(n) if await read_bytes(store, i, key_of(i)) is None}
+        got = await get(store, range(n), [key_of(i) for i in range(n)])  # one run, checked record by record
+        bad = {i for i in range(n) if got[i] is None}
         assert bad == set(flips) | {n - 1}
-        assert store.corrupt_blocks == len(bad)
+        assert all(got[i] == payload(key_of(i)) for i in range(n) if i not in bad)
+        assert store.corrupt_blocks == len(bad) and store.read_syscalls == 1
         assert "short read" in caplog.text and "checksum" in caplog.text
 
 
 async def test_torn_and_corrupt_journal_records_skipped_and_compacted(tmp_path):
-    async with DiskStore(tmp_path, NS, 8, PARTS) as store:
+    async with DiskStore(tmp_path, NS, 8) as store:
         for i in range(8):
             await write(store, i, key_of(i))
     jpath = tmp_path / NS.dirname() / "journal.tkv"
     raw = bytearray(jpath.read_bytes())
     raw[JREC_SIZE * 3 + 30] ^= 0xFF  # corrupt the commit of slot 2 (records: header, then slot 0, 1, 2...)
     jpath.write_bytes(bytes(raw) + b"\x01" * 40)  # plus a torn tail
-    async with DiskStore(tmp_path, NS, 8, PARTS) as store:
+    async with DiskStore(tmp_path, NS, 8) as store:
         assert sorted(r.slot for r in store.recovered) == [0, 1, 3, 4, 5, 6, 7]
         assert jpath.stat().st_size == JREC_SIZE * 8  # compacted: header + 7 commits
         await write(store, 2, key_of(2))
-    async with DiskStore(tmp_path, NS, 8, PARTS) as store:
+    async with DiskStore(tmp_path, NS, 8) as store:
         assert len(store.recovered) == 8
 
 
 async def test_journal_compacts_while_running(tmp_path):
-    store = DiskStore(tmp_path, NS, 4, PARTS)
+    store = DiskStore(tmp_path, NS, 4)
     store.compact_slack = 10
     async with store:
         for i in range(200):
             await write(store, i % 4, key_of(i))
             assert os.path.getsize(os.path.join(store.path, "journal.tkv")) <= JREC_SIZE * (1 + 2 * 4 + 10 + 2)
-    async with DiskStore(tmp_path, NS, 4, PARTS) as store:
+    async with DiskStore(tmp_path, NS, 4) as store:
         assert {r.slot: r.key for r in store.recovered} == {i % 4: key_of(i) for i in range(196, 200)}
 
 
 async def test_failed_compaction_does_not_fail_writes(tmp_path):
     """Compaction's temp file is blocked by a directory of that name (EISDIR): writes go on, journal grows."""
-    store = DiskStore(tmp_path, NS, 4, PARTS)
+    store = DiskStore(tmp_path, NS, 4)
     store.compact_slack = 4
     jpath = os.path.join(store.path, "journal.tkv")
     async with store:
@@ -248,13 +239,13 @@ async def test_failed_compaction_does_not_fail_writes(tmp_path):
         for i in range(40, 200):
             await write(store, i % 4, key_of(i))
         assert os.path.getsize(jpath) < grown  # retried later, and this time it worked
-    async with DiskStore(tmp_path, NS, 4, PARTS) as store:
+    async with DiskStore(tmp_path, NS, 4) as store:
         assert {r.slot: r.key for r in store.recovered} == {i % 4: key_of(i) for i in range(196, 200)}
 
 
 async def test_permissions_0700_0600(tmp_path):
     root = tmp_path / "fresh" / "root"
-    async with DiskStore(root, NS, 4, PARTS) as store:
+    async with DiskStore(root, NS, 4) as store:
         await write(store, 0, key_of(0))
         assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
         assert stat.S_IMODE(os.stat(store.path).st_mode) == 0o700
@@ -270,23 +261,23 @@ async def test_symlinked_root_or_namespace_refused(tmp_path):
     link = tmp_path / "link"
     link.symlink_to(real)
     with pytest.raises(DiskError) as ei:
-        await DiskStore(link, NS, 4, PARTS).open()
+        await DiskStore(link, NS, 4).open()
     assert ei.value.errno == errno.ELOOP and str(link) in str(ei.value)
-    async with DiskStore(link, NS, 4, PARTS, allow_symlink=True) as store:
+    async with DiskStore(link, NS, 4, allow_symlink=True) as store:
         await write(store, 0, key_of(0))
     # a namespace dir swapped for a symlink is refused too
     root2 = tmp_path / "root2"
     root2.mkdir()
     (root2 / NS.dirname()).symlink_to(real / NS.dirname())
     with pytest.raises(DiskError, match="symlink"):
-        await DiskStore(root2, NS, 4, PARTS).open()
+        await DiskStore(root2, NS, 4).open()
 
 
 async def test_root_not_a_directory(tmp_path):
     f = tmp_path / "afile"
     f.write_text("x")
     with pytest.raises(DiskError) as ei:
-        await DiskStore(f, NS, 4, PARTS).open()
+        await DiskStore(f, NS, 4).open()
     assert ei.value.errno == errno.ENOTDIR and str(f) in str(ei.value)
 
 
@@ -300,23 +291,23 @@ async def test_root_not_writable(tmp_path):
         mount_tmpfs(ro, "ro,size=1m")
     try:
         with pytest.raises(DiskError) as ei:
-            await DiskStore(ro, NS, 4, PARTS).open()
+            await DiskStore(ro, NS, 4).open()
         assert str(ro) in str(ei.value) and "writable" in str(ei.value)
     finally:
         umount(ro) if os.geteuid() == 0 else ro.chmod(0o700)
 
 
 async def test_second_open_of_same_namespace_refused(tmp_path):
-    async with DiskStore(tmp_path, NS, 4, PARTS):
+    async with DiskStore(tmp_path, NS, 4):
         with pytest.raises(DiskError) as ei:
-            await DiskStore(tmp_path, NS, 4, PARTS).open()
+            await DiskStore(tmp_path, NS, 4).open()
         assert ei.value.errno == errno.EBUSY
 
 
 @pytest.mark.parametrize("fsync", [False, True])
 async def test_o_direct_on_tmp_path(tmp_path, caplog, fsync):
     caplog.set_level(logging.WARNING, "tiered_kv.disk")
-    async with DiskStore(tmp_path, NS, 8, PARTS, o_direct=True, fsync=fsync) as store:
+    async with DiskStore(tmp_path, NS, 8, o_direct=True, fsync=fsync) as store:
         assert isinstance(store.o_direct_active, bool)
         if not store.o_direct_active:
             assert store.o_direct_reason and store.o_direct_reason in caplog.text
@@ -324,7 +315,7 @@ async def test_o_direct_on_tmp_path(tmp_path, caplog, fsync):
             await write(store, i, key_of(i))
         for i in range(8):
             assert await read_bytes(store, i, key_of(i)) == payload(key_of(i))
-    async with DiskStore(tmp_path, NS, 8, PARTS) as store:  # buffered reopen reads what O_DIRECT wrote
+    async with DiskStore(tmp_path, NS, 8) as store:  # buffered reopen reads what O_DIRECT wrote
         assert await read_bytes(store, 7, key_of(7)) == payload(key_of(7))
 
 
@@ -337,7 +328,7 @@ class _NoDirectFS(DiskStore):
 
 async def test_o_direct_fallback_logs_reason(tmp_path, caplog):
     caplog.set_level(logging.WARNING, "tiered_kv.disk")
-    async with _NoDirectFS(tmp_path, NS, 4, PARTS, o_direct=True) as store:
+    async with _NoDirectFS(tmp_path, NS, 4, o_direct=True) as store:
         assert store.o_direct_active is False
         assert "Invalid argument" in store.o_direct_reason
         assert "falling back to buffered" in caplog.text
@@ -350,16 +341,18 @@ async def test_enospc_real_tmpfs(tmp_path):
     mnt = tmp_path / "small"
     mount_tmpfs(mnt, "size=1m")
     try:
-        async with DiskStore(mnt, NS, 400, PARTS) as store:
-            written = []
+        async with DiskStore(mnt, NS, 400) as store:
+            written: list[int] = []
             with pytest.raises(DiskError) as ei:
-                for i in range(400):
-                    await write(store, i, key_of(i))
-                    written.append(i)
+                for i in range(0, 400, 4):  # batches of 4 consecutive slots: one run each
+                    batch = list(range(i, i + 4))
+                    await put(store, batch, [key_of(j) for j in batch])
+                    written += batch
             assert ei.value.errno == errno.ENOSPC and 10 < len(written) < 400
-            assert store.write_errors == 1
-            for i in written:
-                assert await read_bytes(store, i, key_of(i)) == payload(key_of(i))
+            assert store.write_errors == 1 and not store._writing.any()
+            assert await get(store, written, [key_of(i) for i in written]) == [payload(key_of(i)) for i in written]
+        async with DiskStore(mnt, NS, 400) as store:  # the failed batch committed nothing
+            assert sorted(r.slot for r in store.recovered) == written
     finally:
         umount(mnt)
 
@@ -367,7 +360,7 @@ async def test_enospc_real_tmpfs(tmp_path):
 @pytest.mark.parametrize("target", ["data", "journal"])
 async def test_enospc_injected_via_dev_full(tmp_path, target):
     """Injected at the syscall boundary: /dev/full is dup2'ed over the data or journal fd for one write."""
-    async with DiskStore(tmp_path, NS, 8, PARTS) as store:
+    async with DiskStore(tmp_path, NS, 8) as store:
         for i in range(4):
             await write(store, i, key_of(i))
         fd = store._dfd if target == "data" else store._journal.fd
@@ -384,7 +377,7 @@ async def test_enospc_injected_via_dev_full(tmp_path, target):
         for i in (0, 1, 3):
             assert await read_bytes(store, i, key_of(i)) == payload(key_of(i))
         await write(store, 5, key_of(5))  # the store goes on working once space is back
-    async with DiskStore(tmp_path, NS, 8, PARTS) as store:
+    async with DiskStore(tmp_path, NS, 8) as store:
         got = {r.slot: r.key for r in store.recovered}
         assert got[5] == key_of(5) and {0, 1, 3} <= set(got) and got.get(2) in (None, key_of(2), key_of(42))
         for r in store.recovered:
@@ -395,32 +388,63 @@ async def test_enospc_injected_via_dev_full(tmp_path, target):
 async def test_bad_arguments_are_typed_errors(tmp_path):
     with pytest.raises(LayoutError, match="sum to bytes_per_block"):
         DiskStore(tmp_path, NS, 4, [4096, 1000])
-    store = DiskStore(tmp_path, NS, 4, PARTS)
+    with pytest.raises(ConfigError, match="hash_threads must be >= 0"):
+        DiskStore(tmp_path, NS, 4, hash_threads=-1)
+    store = DiskStore(tmp_path, NS, 4)
     with pytest.raises(DiskError, match="not open"):
         await write(store, 0, key_of(0))
+    keys = key_rows([key_of(0), key_of(1)])
+    slab = slab_of([key_of(0), key_of(1)], BPB)
+    two = np.arange(2)
     async with store:
-        with pytest.raises(IndexError):
+        with pytest.raises(LayoutError, match=r"slot 4 out of range \[0, 4\)"):
             await write(store, 4, key_of(0))
-        with pytest.raises(ValueError, match="key has 5 bytes"):
-            await store.write(0, b"short", split(payload(key_of(0))))
-        with pytest.raises(LayoutError, match="part 1 has"):
-            await store.write(0, key_of(0), [bytearray(4096), bytearray(999), bytearray(4)])
+        with pytest.raises(LayoutError, match=r"cpu_slots: slot 2 out of range \[0, 2\)"):
+            await store.write_many(two, keys, slab, np.array([0, 2]))
+        with pytest.raises(KeyFormatError, match=r"uint8 \[2, 32\]"):
+            await store.write_many(two, keys[:, :16], slab, two)
+        with pytest.raises(LayoutError, match="distinct"):
+            await store.write_many(np.array([1, 1]), keys, slab, two)
+        with pytest.raises(LayoutError, match="distinct"):
+            await store.read_many(two, keys, slab, np.array([0, 0]))
+        with pytest.raises(LayoutError, match="2 disk slots but 1 cpu slots"):
+            await store.write_many(two, keys, slab, two[:1])
+        with pytest.raises(LayoutError, match=f"uint8 \\[rows, {BPB}\\]"):
+            await store.write_many(two, keys, slab[:, :-1].copy(), two)
+        with pytest.raises(LayoutError, match="C-contiguous"):
+            await store.write_many(two, keys, np.zeros((4, BPB), np.uint8)[::2], two)
+        with pytest.raises(LayoutError, match="integer"):
+            await store.write_many(two.astype(float), keys, slab, two)
+        ro = slab.copy()
+        ro.flags.writeable = False
         with pytest.raises(LayoutError, match="read-only"):
-            await store.read(0, key_of(0), [bytes(n) for n in PARTS])
-        with pytest.raises(LayoutError, match="contiguous"):
-            await store.write(0, key_of(0), [np.zeros(8192, np.uint8)[::2], bytearray(1000), bytearray(3)])
+            await store.read_many(two, keys, ro, two)
+        assert store.writes == 0 and store.journal_appends == 0  # nothing reached the disk
+        assert (await store.write_many(two[:0], keys[:0], slab, two[:0])).shape == (0,)  # empty is fine
+        assert (await store.read_many(two[:0], keys[:0], slab, two[:0])).shape == (0,)
     await store.aclose()  # idempotent
     with pytest.raises(DiskError):
         await read_bytes(store, 0, key_of(0))
 
 
 async def test_cancelled_write_finishes_before_slot_is_free(tmp_path):
-    async with DiskStore(tmp_path, NS, 4, PARTS, io_threads=1) as store:
+    async with DiskStore(tmp_path, NS, 4, io_threads=1) as store:
         tasks = [asyncio.create_task(write(store, i, key_of(i))) for i in range(4)]
         await asyncio.sleep(0)
         tasks[3].cancel()
         results = await asyncio.gather(*tasks, return_exceptions=True)
         assert isinstance(results[3], asyncio.CancelledError)
-        assert not store._writing
+        assert not store._writing.any()
         await write(store, 3, key_of(33))
         assert await read_bytes(store, 3, key_of(33)) == payload(key_of(33))
+
+
+async def test_a_slot_with_a_write_in_flight_is_false_not_an_error(tmp_path):
+    keys = [key_of(i) for i in range(4)]
+    async with DiskStore(tmp_path, NS, 4, io_threads=2) as store:
+        first = asyncio.create_task(put(store, [0, 1], keys[:2]))
+        await asyncio.sleep(0)  # the first batch holds slots 0 and 1
+        ok = await put(store, [1, 2, 3], [key_of(9), keys[2], keys[3]])
+        assert ok.tolist() == [False, True, True]
+        assert (await first).all()
+        assert await get(store, range(4), keys) == [payload(k) for k in keys]

@@ -6,25 +6,19 @@ import asyncio
 import random
 import threading
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tiered_kv.errors import ConfigError, LayoutError, TransferError
-from tiered_kv.transfer import CopyEngine, HostCopyEngine, make_engine, plan_copy
+from tiered_kv.layout import KVLayout
+from tiered_kv.tiers.cpu import CpuSlabs
+from tiered_kv.transfer import CopyEngine, HostCopyEngine, make_engine
 from tiered_kv.transfer.bridge import EventBridge
-from tiered_kv.transfer.cuda import Staging, enqueue_load, enqueue_store
-from tiered_kv.transfer.plan import (
-    GatherRun,
-    GatherScatter,
-    ScatterRun,
-    SliceCopy,
-    build_plan,
-    dst_runs,
-    spans,
-    src_runs,
-)
+from tiered_kv.transfer.cuda import Staging, enqueue_load, enqueue_store, host_slabs
 
 BLOCK_BYTES = (4096, 300, 64)
 NUM_BLOCKS = 40
@@ -250,16 +244,24 @@ def test_regions_must_be_2d_uint8(bad):
 
 
 async def test_copy_failure_fails_the_future_with_transfer_error():
-    # An expanded (stride-0) destination makes the copy kernel itself raise.
-    gpu = [torch.zeros((1, 64), dtype=torch.uint8).expand(8, 64)]
+    # An inference-mode tensor refuses in-place writes outside inference mode: the copy itself raises.
+    with torch.inference_mode():
+        gpu = [torch.zeros((8, 64), dtype=torch.uint8)]
     cpu = [torch.ones((8, 64), dtype=torch.uint8)]
     async with HostCopyEngine(gpu, cpu) as engine:
-        handle = engine.submit_load([0, 1, 2], [4, 1, 6])
+        handle = engine.submit_load([0, 1, 2], [4, 5, 6])
         with pytest.raises(TransferError, match="load of 3 blocks failed") as info:
             await handle
         assert isinstance(info.value.__cause__, RuntimeError)
         assert engine.inflight == 0
         await engine.submit_store([0], [0])  # the engine keeps working afterwards
+
+
+def test_overlapping_rows_are_refused():
+    # An expanded (stride-0) tensor: every block row is the same memory.
+    gpu = [torch.zeros((1, 64), dtype=torch.uint8).expand(8, 64)]
+    with pytest.raises(LayoutError, match="gpu region 0: rows overlap"):
+        HostCopyEngine(gpu, [torch.ones((8, 64), dtype=torch.uint8)])
 
 
 async def test_aclose_drains_and_is_idempotent(rig):
@@ -373,53 +375,6 @@ async def test_bridge_reports_errors_after_the_event():
 # -- plans -----------------------------------------------------------------
 
 
-def test_plan_fast_paths():
-    assert build_plan([4, 5, 6], [0, 1, 2]).ops == (SliceCopy(4, 0, 3),)
-    assert build_plan([9, 2, 5], [0, 1, 2]).ops == (GatherRun((9, 2, 5), 0),)
-    assert build_plan([0, 1, 2], [9, 2, 5]).ops == (ScatterRun(0, (9, 2, 5)),)
-    assert build_plan([], []).ops == ()
-
-
-def test_plan_uses_runs_when_few():
-    # two dst runs (0..2 and 10..11), src scattered
-    plan = build_plan([7, 3, 9, 1, 5], [0, 1, 2, 10, 11], bytes_per_block=4096)
-    assert plan.strategy == "dst_runs"
-    assert plan.ops == (GatherRun((7, 3, 9), 0), GatherRun((1, 5), 10))
-    # two src runs, dst scattered
-    plan = build_plan([0, 1, 2, 20, 21], [9, 4, 6, 1, 30], bytes_per_block=4096)
-    assert plan.ops == (ScatterRun(0, (9, 4, 6)), ScatterRun(20, (1, 30)))
-
-
-def test_plan_scattered_small_blocks_gather_scatter_big_blocks_per_row():
-    src, dst = [8, 1, 6, 3], [5, 0, 9, 2]
-    assert build_plan(src, dst, bytes_per_block=1024).strategy == "gather_scatter"
-    big = build_plan(src, dst, bytes_per_block=8 << 20)
-    assert big.strategy == "dst_runs" and all(isinstance(op, SliceCopy) for op in big.ops)
-
-
-def test_plan_hybrid_keeps_long_runs_as_slices():
-    src = [10, 11, 12, 13, 40, 3, 27, 33, 19, 1]
-    dst = [0, 1, 2, 3, 17, 9, 30, 25, 6, 13]
-    plan = build_plan(src, dst, bytes_per_block=32 * 1024)
-    assert plan.strategy == "hybrid"
-    assert plan.ops == (SliceCopy(10, 0, 4), GatherScatter((19, 3, 1, 40, 33, 27), (6, 9, 13, 17, 25, 30)))
-    assert plan.calls == 3
-
-
-def test_runs_and_spans():
-    assert [r.src for r in src_runs([0, 0, 1, 1], [3, 4, 5, 6])] == [(0, 1), (0, 1)]
-    assert [r.dst for r in dst_runs([5, 6, 9], [2, 0, 1])] == [(0, 1, 2)]
-    assert spans([4, 5, 6, 9, 10, 2]) == [(0, 4, 3), (3, 9, 2), (5, 2, 1)]
-
-
-def test_plan_copy_validates():
-    with pytest.raises(TransferError, match="duplicate dst id 2"):
-        plan_copy([0, 1], [2, 2], src_len=4, dst_len=4)
-    with pytest.raises(TransferError, match="src id 4 out of range"):
-        plan_copy([4], [0], src_len=4, dst_len=4)
-
-
-@st.composite
 def copies(draw):
     src_len = draw(st.integers(1, 24))
     dst_len = draw(st.integers(1, 24))
@@ -431,47 +386,137 @@ def copies(draw):
     return src, dst, src_len, dst_len, row_bytes, bytes_per_block
 
 
-@settings(max_examples=300, deadline=None)
-@given(copies())
-def test_plan_equals_naive_per_row_copy(case):
-    src_ids, dst_ids, src_len, dst_len, row_bytes, bytes_per_block = case
-    gen = torch.Generator().manual_seed(len(src_ids))
-    srcs = [torch.randint(0, 256, (src_len, row_bytes), dtype=torch.uint8, generator=gen) for _ in range(2)]
-    dsts = [torch.randint(0, 256, (dst_len, row_bytes), dtype=torch.uint8, generator=gen) for _ in range(2)]
-    expected = [d.clone() for d in dsts]
-    for s, d in zip(srcs, expected, strict=True):
-        for i, j in zip(src_ids, dst_ids, strict=True):
-            d[j] = s[i]
-    plan = plan_copy(
-        src_ids, dst_ids, src_len=src_len, dst_len=dst_len, bytes_per_block=bytes_per_block, regions=2
-    )
-    plan.apply(srcs, dsts)
-    assert all(torch.equal(a, b) for a, b in zip(dsts, expected, strict=True))
+def cpu_side(layout: str, widths, num_slots: int, order, gen):
+    """CPU regions: column views of one block-major slab (regions placed in ``order``), or separate tensors."""
+    if layout == "separate":
+        return [torch.randint(0, 256, (num_slots, w), dtype=torch.uint8, generator=gen) for w in widths], None
+    slab = torch.randint(0, 256, (num_slots, sum(widths)), dtype=torch.uint8, generator=gen)
+    offsets, pos = [0] * len(widths), 0
+    for r in order:  # region r's columns need not follow region r-1's
+        offsets[r], pos = pos, pos + widths[r]
+    return [slab[:, o : o + w] for o, w in zip(offsets, widths, strict=True)], slab
 
 
-# -- the CUDA engine's enqueue logic, driven with CPU tensors ------------------
+def _drawn_ids(draw, universe: int, n: int, unique: bool) -> list[int]:
+    pattern = draw(st.sampled_from(["scattered", "run", "rotated_run", "sorted"]))
+    if pattern in ("run", "rotated_run") and n <= universe:
+        start = draw(st.integers(0, universe - n))
+        ids = list(range(start, start + n))
+        k = draw(st.integers(0, n)) if pattern == "rotated_run" else 0
+        return ids[k:] + ids[:k]  # two runs, out of order
+    if unique:
+        ids = draw(st.permutations(range(universe)))[:n]
+    else:
+        ids = draw(st.lists(st.integers(0, universe - 1), min_size=n, max_size=n))
+    return sorted(ids) if pattern == "sorted" else ids
 
 
-@settings(max_examples=150, deadline=None)
-@given(copies(), st.sampled_from([1, 100, 4096, 1 << 30]), st.booleans())
-def test_cuda_enqueue_logic_matches_naive_copy(case, staging_limit, store):
-    # Same functions the CUDA engine queues on its stream; on CPU tensors the
-    # non_blocking copies are synchronous, so the result can be checked at once.
-    src_ids, dst_ids, src_len, dst_len, row_bytes, _ = case
-    gen = torch.Generator().manual_seed(len(src_ids))
-    srcs = [torch.randint(0, 256, (src_len, b), dtype=torch.uint8, generator=gen) for b in (row_bytes, 40)]
-    dsts = [torch.randint(0, 256, (dst_len, b), dtype=torch.uint8, generator=gen) for b in (row_bytes, 40)]
-    expected = [d.clone() for d in dsts]
-    for s, d in zip(srcs, expected, strict=True):
+@st.composite
+def engine_copies(draw):
+    widths = draw(st.lists(st.sampled_from([1, 3, 8, 40, 64, 300, 4096]), min_size=1, max_size=4))
+    num_blocks, num_slots = draw(st.integers(1, 20)), draw(st.integers(1, 20))
+    store = draw(st.booleans())
+    # Destinations are distinct (the engine validates that); sources may repeat.
+    src_len, dst_len = (num_blocks, num_slots) if store else (num_slots, num_blocks)
+    n = draw(st.integers(0, dst_len))
+    src = _drawn_ids(draw, src_len, n, unique=False)
+    dst = _drawn_ids(draw, dst_len, n, unique=True)
+    order = draw(st.permutations(range(len(widths))))
+    return widths, num_blocks, num_slots, store, src, dst, order
+
+
+@settings(max_examples=200, deadline=None)
+@given(engine_copies(), st.sampled_from([1, 100, 4096, 1 << 30]), st.sampled_from(["slab", "separate"]))
+def test_cuda_enqueue_logic_matches_naive_copy(case, staging_limit, layout):
+    widths, num_blocks, num_slots, store, src_ids, dst_ids, order = case
+    gen = torch.Generator().manual_seed(len(src_ids) + 7 * len(widths))
+    gpu = [torch.randint(0, 256, (num_blocks, w), dtype=torch.uint8, generator=gen) for w in widths]
+    cpu, _ = cpu_side(layout, widths, num_slots, order, gen)
+    slabs = host_slabs(cpu)
+    assert len(slabs) == (1 if layout == "slab" or len(widths) == 1 else len(widths))
+    src, dst = (gpu, cpu) if store else (cpu, gpu)
+    expected = [d.clone() for d in dst]
+    for s, d in zip(src, expected, strict=True):
         for i, j in zip(src_ids, dst_ids, strict=True):
             d[j] = s[i]
     staging = Staging(torch.device("cpu"), staging_limit)
+    src_arr, dst_arr = np.array(src_ids, dtype=np.int64), np.array(dst_ids, dtype=np.int64)
+    if store:
+        enqueue_store(gpu, slabs, src_arr, dst_arr, staging, torch.from_numpy)
+    else:
+        enqueue_load(gpu, slabs, src_arr, dst_arr, staging, torch.from_numpy)
+    for r, (got, want) in enumerate(zip(dst, expected, strict=True)):
+        assert torch.equal(got, want), f"region {r} differs from the per-row copy"
 
-    def index(ids):
-        return torch.tensor(ids, dtype=torch.int64)
 
-    if store:  # src = gpu blocks, dst = cpu slots
-        enqueue_store(srcs, dsts, src_ids, dst_ids, staging, index)
-    else:  # src = cpu slots, dst = gpu blocks
-        enqueue_load(dsts, srcs, src_ids, dst_ids, staging, index)
-    assert all(torch.equal(a, b) for a, b in zip(dsts, expected, strict=True))
+class HostCopies(TorchDispatchMode):
+    """Records every non-view op that reads or writes one host buffer (a real dispatch hook, not a mock)."""
+
+    def __init__(self, host: torch.Tensor) -> None:
+        super().__init__()
+        self.ptr = host.untyped_storage().data_ptr()
+        self.ops: list[tuple[str, list[tuple[int, ...]], list[bool]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not func.is_view:
+            tensors = [t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)]
+            on_host = [t for t in tensors if t.untyped_storage().data_ptr() == self.ptr]
+            if on_host:
+                shapes = [tuple(t.shape) for t in on_host]
+                self.ops.append((str(func), shapes, [t.is_contiguous() for t in on_host]))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("store", [True, False])
+@pytest.mark.parametrize(("staging_limit", "runs"), [(1 << 20, [3, 2, 1]), (2 * 372, [2, 1, 1, 1, 1])])
+def test_block_major_host_side_is_one_contiguous_copy_per_run(store, staging_limit, runs):
+    # Strided host copies are what the block-major path exists to avoid: every
+    # op touching the slab must be a plain copy_ of whole contiguous rows, one
+    # per run of consecutive slots (split where a staging chunk ends).
+    widths, num_blocks = (64, 300, 8), 24
+    gen = torch.Generator().manual_seed(3)
+    gpu = [torch.randint(0, 256, (num_blocks, w), dtype=torch.uint8, generator=gen) for w in widths]
+    cpu, slab = cpu_side("slab", widths, 24, [2, 0, 1], gen)
+    slots = np.array([9, 10, 2, 3, 4, 20], dtype=np.int64)  # runs 2-4, 9-10, 20
+    gpu_ids = np.array([17, 1, 5, 23, 0, 11], dtype=np.int64)
+    before = [t.clone() for t in (cpu if store else gpu)]
+    slabs, staging = host_slabs(cpu), Staging(torch.device("cpu"), staging_limit)
+    with HostCopies(slab) as seen:
+        if store:
+            enqueue_store(gpu, slabs, gpu_ids, slots, staging, torch.from_numpy)
+        else:
+            enqueue_load(gpu, slabs, slots, gpu_ids, staging, torch.from_numpy)
+    assert [op for op, _, _ in seen.ops] == ["aten.copy_.default"] * len(runs)
+    assert [shapes for _, shapes, _ in seen.ops] == [[(n, sum(widths))] for n in runs]
+    assert all(all(contig) for _, _, contig in seen.ops)
+    src, dst = (gpu, cpu) if store else (cpu, gpu)
+    for s, d, b in zip(src, dst, before, strict=True):
+        want = b.clone()
+        want[torch.from_numpy(slots if store else gpu_ids)] = s[torch.from_numpy(gpu_ids if store else slots)]
+        assert torch.equal(d, want)
+
+
+def test_host_slabs_finds_the_cpu_tier_slab():
+    layout = KVLayout.from_block_bytes([4096, 300, 64], num_blocks=4)
+    tier = CpuSlabs(layout, 6, pin="off")
+    (found,) = host_slabs(tier.regions)
+    assert found.rows.data_ptr() == tier.slab.data_ptr() and found.rows.shape == tier.slab.shape
+    assert found.rows.is_contiguous() and found.offsets == tuple(tier.offsets) == (0, 4096, 4396)
+    # Regions handed over in another order keep their own offsets.
+    (shuffled,) = host_slabs([tier.regions[2], tier.regions[0], tier.regions[1]])
+    assert shuffled.offsets == (4396, 0, 4096) and shuffled.rows.data_ptr() == tier.slab.data_ptr()
+    # Separate contiguous tensors: one slab per region.
+    separate = [torch.zeros((6, w), dtype=torch.uint8) for w in (16, 300)]
+    assert [(s.regions, s.offsets) for s in host_slabs(separate)] == [((0,), (0,)), ((1,), (0,))]
+
+
+@pytest.mark.parametrize(
+    "columns",
+    [[(0, 16), (24, 8)], [(0, 16), (8, 16)], [(0, 16)]],
+    ids=["gap", "overlap", "one-strided-region"],
+)
+def test_strided_cpu_regions_that_do_not_tile_a_slab_are_refused(columns):
+    slab = torch.zeros((5, 32), dtype=torch.uint8)
+    with pytest.raises(LayoutError, match=r"cpu region 0 has a row stride of 32 bytes for 16-byte rows"):
+        host_slabs([slab[:, a : a + w] for a, w in columns])

@@ -1,9 +1,9 @@
-"""Eviction policies behind one interface (see base.EvictionPolicy); pick one by name."""
+"""Eviction policies behind one batch interface (see base.EvictionPolicy); pick one by name."""
 
 from __future__ import annotations
 
 from ..errors import ConfigError
-from .arc import ARCPolicy
+from .arc import ARCPolicy, KeyTag
 from .base import EvictionPolicy
 from .lru import LRUPolicy
 
@@ -11,12 +11,18 @@ _REGISTRY: dict[str, type[EvictionPolicy]] = {cls.name: cls for cls in (LRUPolic
 POLICIES: tuple[str, ...] = tuple(_REGISTRY)
 
 
-def make_policy(name: str, num_slots: int) -> EvictionPolicy:
-    """The policy called ``name`` ("lru" or "arc", any case) for a tier of ``num_slots`` slots."""
+def make_policy(name: str, num_slots: int, *, key_tag: KeyTag | None = None) -> EvictionPolicy:
+    """The policy called ``name`` ("lru" or "arc", any case) for a tier of ``num_slots`` slots.
+
+    ``key_tag(slots) -> uint64 array`` names the key each slot holds; ARC keeps
+    those tags for its ghost lists (the slot id stands in without it). LRU needs none.
+    """
     cls = _REGISTRY.get(name.lower()) if isinstance(name, str) else None
     if cls is None:
         raise ConfigError(f"eviction.policy: unknown policy {name!r}; allowed: {', '.join(POLICIES)}")
+    if cls is ARCPolicy:
+        return ARCPolicy(num_slots, key_tag=key_tag)
     return cls(num_slots)
 
 
-__all__ = ["ARCPolicy", "EvictionPolicy", "LRUPolicy", "POLICIES", "make_policy"]
+__all__ = ["ARCPolicy", "EvictionPolicy", "KeyTag", "LRUPolicy", "POLICIES", "make_policy"]

@@ -1,30 +1,35 @@
-"""The eviction-policy interface and the compact slot lists its implementations share.
+"""The batch eviction-policy interface and the checks its implementations share.
 
 A tier has ``num_slots`` integer slots. The index decides which slots hold
-resident blocks; a policy only orders them for eviction. A 1 TB tier holds
-~64M blocks, so a policy must not keep a Python object per slot: recency
-lists are doubly linked through flat ``array('i')`` prev/next arrays indexed
-by slot, plus one byte per slot saying which list (if any) holds the slot.
+resident blocks; a policy only orders them for eviction. Every call takes a
+batch: a 1-D int64 numpy array of slot ids (a list or a single int is
+accepted and converted). A 1 TB tier of 16 KiB blocks holds ~64M blocks, so
+a policy keeps fixed-size numpy rows per slot and no Python object per slot,
+and does its per-batch work with numpy operations rather than a Python loop
+per slot.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from array import array
-from collections.abc import Callable
 from typing import ClassVar
 
-NIL = -1
-# array('i') stores C ints; slot ids must fit in them.
+import numpy as np
+
+# Stamps and table values are int32 below this (2**31 blocks of 16 KiB = 32 TiB per tier).
 MAX_SLOTS = 2**31 - 1
+EMPTY = np.zeros(0, dtype=np.int64)
+UNTRACKED = -1
 
 
 class EvictionPolicy(ABC):
-    """Orders a tier's resident slots for eviction.
+    """Orders a tier's resident slots for eviction, a batch at a time.
 
-    All methods are synchronous and meant for the event-loop thread (no locks).
-    A slot outside ``0..num_slots-1`` is a caller bug and raises ValueError;
-    an in-range slot that is not tracked is a no-op for touch/remove.
+    Synchronous and meant for the event-loop thread (no locks). Within a batch
+    the order matters: the LAST element ends MOST recent, exactly as if the
+    slots had been inserted or touched one by one in array order. A slot
+    outside ``0..num_slots-1`` is a caller bug and raises ValueError; an
+    in-range slot that is not tracked is ignored by touch and remove.
     """
 
     name: ClassVar[str]
@@ -33,25 +38,29 @@ class EvictionPolicy(ABC):
     def __init__(self, num_slots: int) -> None: ...
 
     @abstractmethod
-    def insert(self, slot: int, key: bytes) -> None:
-        """Track a newly resident block as most recent; ValueError if ``slot`` is already tracked."""
+    def insert(self, slots: np.ndarray) -> None:
+        """Track newly resident slots; ValueError (and no change) if one is tracked or repeated."""
 
     @abstractmethod
-    def touch(self, slot: int) -> None:
-        """Record a hit on a resident block; untracked slot: no-op."""
+    def touch(self, slots: np.ndarray) -> None:
+        """Record hits; untracked slots are ignored."""
 
     @abstractmethod
-    def remove(self, slot: int) -> None:
-        """Forget a block dropped without eviction (deleted, corrupt); untracked slot: no-op."""
+    def remove(self, slots: np.ndarray) -> None:
+        """Forget slots dropped without eviction (deleted, corrupt); untracked slots are ignored."""
 
     @abstractmethod
-    def evict(self, n: int, protected: Callable[[int], bool]) -> list[int]:
-        """Remove and return exactly ``n`` unprotected slots in eviction order, or ``[]``.
+    def evict(self, n: int, pins: np.ndarray) -> np.ndarray:
+        """Remove and return exactly ``n`` tracked slots with ``pins[slot] == 0``, in eviction order.
 
-        Atomic: when fewer than ``n`` tracked slots have ``protected(slot)`` False,
-        returns ``[]`` and changes nothing. Candidates are selected before any
-        mutation, so an exception raised by ``protected`` also leaves the policy intact.
+        Atomic: when fewer than ``n`` such slots exist, returns an empty array
+        and changes nothing (victims are selected before any mutation).
         """
+
+    @property
+    @abstractmethod
+    def num_slots(self) -> int:
+        """Slot ids run over ``0..num_slots-1``."""
 
     @abstractmethod
     def __len__(self) -> int: ...
@@ -63,6 +72,11 @@ class EvictionPolicy(ABC):
     def order(self) -> list[int]:
         """Full eviction order, first = next victim (O(n); for tests and debugging)."""
 
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes held by the policy's arrays."""
+
 
 def check_num_slots(num_slots: int) -> int:
     if not isinstance(num_slots, int) or isinstance(num_slots, bool) or not 0 <= num_slots <= MAX_SLOTS:
@@ -70,70 +84,86 @@ def check_num_slots(num_slots: int) -> int:
     return num_slots
 
 
-def check_evict_n(n: int) -> None:
+def check_evict_n(n: int) -> int:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+        raise ValueError(f"evict(n): n must be an int, got {n!r}")
     if n < 0:
         raise ValueError(f"evict(n): n must be >= 0, got {n}")
+    return int(n)
 
 
-class SlotLists:
-    """Several disjoint doubly linked lists over slots 0..num_slots-1, in ~9 bytes/slot.
+def stamp_dtype(max_code: int) -> type[np.signedinteger]:
+    """The narrowest of int32/int64 holding every stamp code up to ``max_code``."""
+    return np.int32 if max_code < 2**31 else np.int64
 
-    ``owner[slot]`` is the id (1..num_lists) of the list holding the slot, 0 if none.
-    Each list runs from ``head`` (least recent, next victim) to ``tail`` (most recent);
-    ``nxt`` points towards the most-recent end. Every operation is O(1).
+
+def as_slots(slots: object, num_slots: int) -> np.ndarray:
+    """``slots`` as a 1-D int64 array, every id in ``0..num_slots-1`` (else ValueError)."""
+    arr = np.asarray(slots)
+    if arr.ndim == 0:
+        arr = arr.reshape(1)
+    elif arr.ndim != 1:
+        raise ValueError(f"slots must be a 1-D array, got shape {arr.shape}")
+    if arr.dtype != np.int64:
+        if arr.size and arr.dtype.kind not in "iu":
+            raise ValueError(f"slots must be integers, got dtype {arr.dtype}")
+        arr = arr.astype(np.int64)
+    # One reduction catches both ends: a negative id is huge as uint64.
+    if arr.size and np.maximum.reduce(arr.view(np.uint64)) >= num_slots:
+        bad = int(arr[(arr < 0) | (arr >= num_slots)][0])
+        raise ValueError(f"slot {bad} out of range for a policy of {num_slots} slots")
+    return arr
+
+
+def check_pins(pins: object, num_slots: int) -> np.ndarray:
+    if not isinstance(pins, np.ndarray) or pins.shape != (num_slots,):
+        shape = getattr(pins, "shape", type(pins).__name__)
+        raise ValueError(f"pins must be an array of {num_slots} pin counts (one per slot), got {shape}")
+    return pins
+
+
+def unpinned(pins: np.ndarray | None, slots: np.ndarray, live: np.ndarray) -> np.ndarray:
+    """``live`` and not pinned (``pins`` None: nothing is pinned, ``live`` itself comes back)."""
+    if pins is None:
+        return live
+    return live & (pins[slots] == 0)
+
+
+def check_untracked(stamp: np.ndarray, slots: np.ndarray, policy: str) -> None:
+    """ValueError unless every slot is untracked (stamp -1; tracked stamps are >= 0)."""
+    if slots.size and np.maximum.reduce(stamp[slots]) != UNTRACKED:
+        bad = int(slots[stamp[slots] != UNTRACKED][0])
+        raise ValueError(f"slot {bad} is already tracked by the {policy} policy")
+
+
+def repeated_slot(slots: np.ndarray) -> ValueError:
+    """The error for an insert batch that names a slot twice."""
+    values, counts = np.unique(slots, return_counts=True)
+    return ValueError(f"slot {int(values[counts > 1][0])} appears twice in one insert batch")
+
+
+def check_new(stamp: np.ndarray, slots: np.ndarray, policy: str) -> None:
+    """ValueError unless every slot is untracked and appears once; leaves ``stamp`` as it was."""
+    check_untracked(stamp, slots, policy)
+    if slots.size > 1:
+        once = distinct_winners(stamp, slots)
+        stamp[slots] = UNTRACKED
+        if not np.logical_and.reduce(once):
+            raise repeated_slot(slots)
+
+
+def distinct_winners(stamp: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """A mask with True at exactly one position per distinct slot (cheaper than np.unique).
+
+    Overwrites ``stamp[slots]``: the caller restores or replaces them.
     """
+    marks = -2 - np.arange(slots.size, dtype=np.int64)
+    stamp[slots] = marks
+    return stamp[slots] == marks
 
-    __slots__ = ("prev", "nxt", "owner", "head", "tail", "size")
 
-    def __init__(self, num_slots: int, num_lists: int) -> None:
-        self.prev = array("i", [NIL]) * num_slots
-        self.nxt = array("i", [NIL]) * num_slots
-        self.owner = bytearray(num_slots)
-        # index 0 is unused so a list id doubles as the index.
-        self.head = [NIL] * (num_lists + 1)
-        self.tail = [NIL] * (num_lists + 1)
-        self.size = [0] * (num_lists + 1)
-
-    def push_mru(self, lid: int, slot: int) -> None:
-        tail = self.tail[lid]
-        self.prev[slot] = tail
-        self.nxt[slot] = NIL
-        if tail == NIL:
-            self.head[lid] = slot
-        else:
-            self.nxt[tail] = slot
-        self.tail[lid] = slot
-        self.owner[slot] = lid
-        self.size[lid] += 1
-
-    def unlink(self, slot: int) -> int:
-        """Take ``slot`` out of its list (it must be in one); returns that list's id."""
-        lid = self.owner[slot]
-        p = self.prev[slot]
-        n = self.nxt[slot]
-        if p == NIL:
-            self.head[lid] = n
-        else:
-            self.nxt[p] = n
-        if n == NIL:
-            self.tail[lid] = p
-        else:
-            self.prev[n] = p
-        self.owner[slot] = 0
-        self.size[lid] -= 1
-        return lid
-
-    def first_unprotected(self, slot: int, protected: Callable[[int], bool]) -> int:
-        """From ``slot`` towards the MRU end, the first slot not protected (or NIL). Read-only."""
-        nxt = self.nxt
-        while slot != NIL and protected(slot):
-            slot = nxt[slot]
-        return slot
-
-    def walk(self, lid: int) -> list[int]:
-        out = []
-        slot = self.head[lid]
-        while slot != NIL:
-            out.append(slot)
-            slot = self.nxt[slot]
-        return out
+def last_occurrences(slots: np.ndarray) -> np.ndarray:
+    """``slots`` with repeats dropped, each slot kept at its last position, order otherwise kept."""
+    rev = slots[::-1]
+    _, first_in_rev = np.unique(rev, return_index=True)
+    return slots[np.sort(slots.size - 1 - first_in_rev)]

@@ -1,83 +1,99 @@
-"""Least-recently-used eviction over compact per-slot linked lists."""
+"""Least-recently-used eviction over one vectorized recency log (see recency.py).
+
+Prefix semantics: the manager inserts and touches a request's blocks
+last-block-first (one batch in reverse prefix order), so the request's first
+block ends most recent. LRU then evicts a prefix from its tail towards its
+head, and what survives is always a usable leading prefix.
+
+Cost: insert, touch and evict are a fixed number of numpy calls per batch
+(about a dozen), no Python step per slot; the log compacts once per ~num_slots
+appends. Memory: a 4-byte stamp per slot and a log of 1.5 * num_slots + 16
+int64 slot ids, so ~16 bytes per slot.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import ClassVar
 
-from .base import NIL, EvictionPolicy, SlotLists, check_evict_n, check_num_slots
+import numpy as np
 
-_LRU = 1  # the single list id
+from .base import (
+    EMPTY,
+    UNTRACKED,
+    EvictionPolicy,
+    as_slots,
+    check_evict_n,
+    check_num_slots,
+    check_pins,
+    check_untracked,
+    distinct_winners,
+    repeated_slot,
+    stamp_dtype,
+)
+from .recency import RecencyLog
+
+_SLACK = 16
 
 
 class LRUPolicy(EvictionPolicy):
-    """Plain LRU: evicts the least recently inserted-or-touched unprotected slot first.
-
-    Prefix semantics: callers touch (and insert) a request's blocks
-    last-block-first, so the request's first block ends up most recent. LRU
-    then evicts a prefix from its tail towards its head, and what survives is
-    always a usable leading prefix of the request.
-
-    Memory: 9 bytes per slot (two int32 links and a membership byte), no
-    Python object per slot; the key passed to insert is not kept.
-    """
+    """Plain LRU: evicts the least recently inserted-or-touched unpinned slot first."""
 
     name: ClassVar[str] = "lru"
 
-    __slots__ = ("_n", "_lists")
+    __slots__ = ("_n", "_stamp", "_log")
 
     def __init__(self, num_slots: int) -> None:
         self._n = check_num_slots(num_slots)
-        self._lists = SlotLists(num_slots, 1)
+        capacity = num_slots + num_slots // 2 + _SLACK
+        self._stamp = np.full(num_slots, UNTRACKED, dtype=stamp_dtype(capacity))
+        self._log = RecencyLog(self._stamp, 0, 1, capacity)
 
-    def _check(self, slot: int) -> None:
-        if not 0 <= slot < self._n:
-            raise ValueError(f"slot {slot} out of range for a policy of {self._n} slots")
+    def insert(self, slots: np.ndarray) -> None:
+        s = as_slots(slots, self._n)
+        check_untracked(self._stamp, s, self.name)
+        if self._log.append(s):
+            # A slot repeated: undo (the appended entries go stale) and refuse the batch.
+            self._stamp[s] = UNTRACKED
+            raise repeated_slot(s)
+        self._log.size += s.size
 
-    def insert(self, slot: int, key: bytes) -> None:
-        self._check(slot)
-        if self._lists.owner[slot]:
-            raise ValueError(f"slot {slot} is already tracked by the {self.name} policy")
-        self._lists.push_mru(_LRU, slot)
+    def touch(self, slots: np.ndarray) -> None:
+        s = as_slots(slots, self._n)
+        self._log.append(s[self._stamp[s] != UNTRACKED])
 
-    def touch(self, slot: int) -> None:
-        self._check(slot)
-        lists = self._lists
-        if lists.owner[slot] and lists.tail[_LRU] != slot:
-            lists.unlink(slot)
-            lists.push_mru(_LRU, slot)
+    def remove(self, slots: np.ndarray) -> None:
+        s = as_slots(slots, self._n)
+        s = s[self._stamp[s] != UNTRACKED]
+        if s.size:
+            self._log.size -= int(np.count_nonzero(distinct_winners(self._stamp, s)))
+            self._stamp[s] = UNTRACKED
 
-    def remove(self, slot: int) -> None:
-        self._check(slot)
-        if self._lists.owner[slot]:
-            self._lists.unlink(slot)
+    def evict(self, n: int, pins: np.ndarray) -> np.ndarray:
+        n = check_evict_n(n)
+        pins = check_pins(pins, self._n)
+        if n == 0 or n > self._log.size:
+            return EMPTY.copy()
+        cand = self._log.candidates(n, pins)
+        if cand.slots.size < n:
+            return EMPTY.copy()
+        self._log.commit(n, cand)
+        return cand.slots
 
-    def evict(self, n: int, protected: Callable[[int], bool]) -> list[int]:
-        check_evict_n(n)
-        lists = self._lists
-        if n == 0 or n > lists.size[_LRU]:
-            return []
-        # Select first, without mutating: the walk costs n + protected slots skipped.
-        victims: list[int] = []
-        nxt = lists.nxt
-        slot = lists.head[_LRU]
-        while slot != NIL:
-            if not protected(slot):
-                victims.append(slot)
-                if len(victims) == n:
-                    break
-            slot = nxt[slot]
-        if len(victims) < n:
-            return []
-        for slot in victims:
-            lists.unlink(slot)
-        return victims
+    @property
+    def num_slots(self) -> int:
+        return self._n
 
     def __len__(self) -> int:
-        return self._lists.size[_LRU]
+        return self._log.size
 
     def __contains__(self, slot: object) -> bool:
-        return isinstance(slot, int) and 0 <= slot < self._n and self._lists.owner[slot] != 0
+        if not isinstance(slot, (int, np.integer)) or isinstance(slot, bool) or not 0 <= slot < self._n:
+            return False
+        return bool(self._stamp[slot] != UNTRACKED)
 
     def order(self) -> list[int]:
-        return self._lists.walk(_LRU)
+        return self._log.live().tolist()
+
+    @property
+    def nbytes(self) -> int:
+        return self._stamp.nbytes + self._log.nbytes

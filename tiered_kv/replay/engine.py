@@ -187,18 +187,19 @@ class EngineEmulator:
 
     def _tiers(self, keys: Sequence[bytes]) -> list[str]:
         """Tier of each key of a lookup's leading run, read in the same loop step as the lookup."""
-        cpu = self.cache.cpu.ready
-        return ["cpu" if k in cpu else "disk" for k in keys]
+        return self.cache.manager.tiers_of(keys)
 
     # -- one request -----------------------------------------------------------------------------
     async def run_request(self, req: Request) -> None:
         s = self.stats
-        keys = self.cache.keyer.keys_for_block_ids(req.hash_ids)
+        ids = req.hash_ids
         s.requests += 1
-        s.block_refs += len(keys)
-        if len(keys) > self.gpu.num_blocks:
-            s.truncated += len(keys) - self.gpu.num_blocks
-            keys = keys[: self.gpu.num_blocks]
+        s.block_refs += len(ids)
+        if len(ids) > self.gpu.num_blocks:
+            # Cut before hashing: a chained key depends only on the ids before it.
+            s.truncated += len(ids) - self.gpu.num_blocks
+            ids = ids[: self.gpu.num_blocks]
+        keys = self.cache.keyer.keys_for_block_ids(ids)  # unsigned 64-bit ids are fine
         if not keys:
             return
         n_gpu, gids = await self._admit(keys)

@@ -23,9 +23,11 @@ from typing import Any
 import torch
 
 from ..cache import TieredKVCache
-from ..config import Config, load_config
+from ..config import PLACEHOLDER_MODEL_ID, Config, load_config, read_config_data, validate_config
 from ..errors import ConfigError
+from ..host_checks import mem_available
 from ..layout import KVLayout
+from ..sizes import format_size
 from .engine import EngineEmulator, EngineStats, run_requests
 from .simulate import SimResult, simulate_belady, simulate_lru, simulate_unbounded, unique_blocks
 from .trace import Request, read_trace
@@ -59,8 +61,21 @@ def resolve_config(
     speed: float | None = None,
     max_requests: int | None = None,
 ) -> Config:
-    """The config with CLI overrides applied; ``replay.block_bytes`` replaces the model geometry."""
-    data = load_config(source).model_dump()
+    """The config with CLI overrides applied; ``replay.block_bytes`` replaces the model geometry.
+
+    A config that leaves ``model.model_id`` at the placeholder may still run a disk tier
+    here: the replay's bytes are synthetic and its disk directory is fresh per run.
+    """
+    where = "config"
+    if isinstance(source, Config):
+        data: Any = source.model_dump()
+    elif isinstance(source, (str, os.PathLike)):
+        where, data = str(source), read_config_data(source)
+    else:
+        data = dict(source or {})
+    if isinstance(data, dict):
+        _allow_placeholder(data)
+    data = validate_config(data, where).model_dump()
     for name, value in (
         ("block_bytes", block_bytes),
         ("concurrency", concurrency),
@@ -69,11 +84,13 @@ def resolve_config(
     ):
         if value is not None:
             data["replay"][name] = value
-    cfg = load_config(data)  # validates the overrides (ConfigError names replay.<key>)
+    cfg = validate_config(data, "command-line options")  # a ConfigError names replay.<key>
     if cfg.replay.block_bytes is not None:
         m = cfg.model
         data["model"] = {
             "model_id": m.model_id,
+            "revision": m.revision,
+            "allow_placeholder_id": m.allow_placeholder_id,
             "dtype": m.dtype,
             "block_tokens": m.block_tokens,
             "bytes_per_block": cfg.replay.block_bytes,
@@ -82,13 +99,41 @@ def resolve_config(
     return cfg
 
 
+def _allow_placeholder(data: dict) -> None:
+    model = data.get("model")
+    if model is None:
+        model = data["model"] = Config.model_fields["model"].default.model_dump(exclude_none=True)
+    if isinstance(model, dict) and model.get("model_id", PLACEHOLDER_MODEL_ID) == PLACEHOLDER_MODEL_ID:
+        data["model"] = {**model, "allow_placeholder_id": True}
+
+
 def load_requests(cfg: Config, trace: str | os.PathLike[str] | None = None) -> list[Request]:
     """The trace (TraceError on a bad line) or the built-in chat workload, capped by replay.max_requests."""
     cap = cfg.replay.max_requests
     if trace is not None:
-        return read_trace(trace, max_requests=cap)
-    n = cfg.replay.num_requests if cap is None else min(cap, cfg.replay.num_requests)
-    return chat_workload(n, seed=cfg.replay.seed)
+        requests = read_trace(trace, max_requests=cap)
+    else:
+        n = cfg.replay.num_requests if cap is None else min(cap, cfg.replay.num_requests)
+        requests = chat_workload(n, seed=cfg.replay.seed)
+    check_pacing(requests, cfg.replay.speed)
+    return requests
+
+
+MAX_PACED_S = 86_400.0  # a replay paced by its trace may wait at most a day in all
+
+
+def check_pacing(requests: Sequence[Request], speed: float) -> None:
+    """Refuse a ``speed`` at which the trace's timestamps would make the replay wait over a day."""
+    if speed <= 0 or not requests:
+        return
+    t_first = requests[0].timestamp_ms
+    span_s = max(r.timestamp_ms - t_first for r in requests) / 1000.0
+    wait_s = span_s / speed
+    if wait_s > MAX_PACED_S:
+        raise ConfigError(
+            f"replay.speed: {speed!r} would pace this trace's {span_s:.6g} s over {wait_s:.3g} s, more than "
+            f"{MAX_PACED_S:.0f} s (one day); use speed >= {span_s / MAX_PACED_S:.3g}, or 0 for as fast as possible"
+        )
 
 
 def with_disk_path(cfg: Config, path: str) -> Config:
@@ -111,10 +156,28 @@ def make_kv(cfg: Config) -> dict[str, torch.Tensor]:
     """The emulated engine's KV tensors: one ``[num_blocks, region_bytes]`` uint8 tensor per region."""
     dev = _device(cfg)
     n = cfg.gpu.num_blocks
+    _check_kv_fits(cfg, dev)
     return {
         f"kv{i}": torch.zeros(n, b, dtype=torch.uint8, device=dev)
         for i, b in enumerate(cfg.model.region_block_bytes())
     }
+
+
+def _check_kv_fits(cfg: Config, dev: torch.device) -> None:
+    """The emulated GPU tensors (on a CPU device, beside the CPU tier) must fit in free memory."""
+    gpu_bytes = cfg.gpu.num_blocks * cfg.bytes_per_block
+    if dev.type == "cuda":
+        free, need, where = torch.cuda.mem_get_info(dev)[0], gpu_bytes, f"free on {dev}"
+    else:
+        cpu_tier = 0 if cfg.tiers.cpu.allow_overcommit else cfg.tiers.cpu.capacity
+        free, need = mem_available(), gpu_bytes + cpu_tier
+        where = f"of MemAvailable (with the CPU tier's {format_size(cpu_tier)} beside it)"
+    if free is not None and need > free:
+        raise ConfigError(
+            f"gpu.num_blocks: the replay's emulated KV cache of {cfg.gpu.num_blocks} blocks x {cfg.bytes_per_block} "
+            f"bytes ({format_size(gpu_bytes)}) needs {need} bytes, more than the {free} bytes ({format_size(free)}) "
+            f"{where}"
+        )
 
 
 # -- the replay ---------------------------------------------------------------------------
@@ -127,6 +190,7 @@ async def replay_async(
     before_close: Callable[[EngineEmulator], Coroutine[Any, Any, None]] | None = None,
 ) -> ReplayResult:
     """Replay ``requests`` through a real cache; ``cfg.tiers.disk.path`` is used as given."""
+    check_pacing(requests, cfg.replay.speed)
     kv = make_kv(cfg)
     layout = KVLayout.from_tensors(kv, cfg.gpu.num_blocks)
     cache = TieredKVCache(cfg, layout)
@@ -186,10 +250,17 @@ def run_replay(
     on_done: Callable[[], None] | None = None,
     metrics_port: int | None = None,
 ) -> ReplayResult:
-    """Replay on a fresh disk directory (removed afterwards) unless ``keep_disk``."""
+    """Replay on a fresh disk directory (removed afterwards) unless ``keep_disk``.
+
+    Only what this run created is removed: its ``replay-<pid>`` directory, and the
+    configured directory (and its parents) only if they did not exist before.
+    """
     fresh: Path | None = None
+    created: list[Path] = []
     if cfg.tiers.disk.enabled and not keep_disk:
-        fresh = Path(os.path.expanduser(cfg.tiers.disk.path)) / f"replay-{os.getpid()}"
+        base = Path(cfg.tiers.disk.path)
+        created = _missing_dirs(base)
+        fresh = base / f"replay-{os.getpid()}"
         shutil.rmtree(fresh, ignore_errors=True)  # left by a killed run whose pid we now reuse
         cfg = with_disk_path(cfg, str(fresh))
     try:
@@ -197,12 +268,23 @@ def run_replay(
     finally:
         if fresh is not None:
             shutil.rmtree(fresh, ignore_errors=True)
-            _remove_if_empty(fresh.parent)
+            for path in created:  # deepest first
+                _remove_if_empty(path)
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist yet, deepest first."""
+    missing = []
+    probe = path.absolute()
+    while not probe.exists() and probe.parent != probe:
+        missing.append(probe)
+        probe = probe.parent
+    return missing
 
 
 def _remove_if_empty(path: Path) -> None:
     try:
-        path.rmdir()  # only when this run created it and nothing else lives there
+        path.rmdir()  # fails, as it should, when another run or the user put something there
     except OSError:
         pass
 

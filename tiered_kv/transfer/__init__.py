@@ -14,7 +14,6 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.transfer.base import CopyEngine, CopyHandle, Direction, validate_regions
 from tiered_kv.transfer.cuda import CUDAStreamEngine
 from tiered_kv.transfer.host import HostCopyEngine
-from tiered_kv.transfer.plan import CopyPlan, plan_copy
 
 ENGINE_KINDS = ("auto", "host", "cuda")
 
@@ -23,11 +22,9 @@ __all__ = [
     "CUDAStreamEngine",
     "CopyEngine",
     "CopyHandle",
-    "CopyPlan",
     "Direction",
     "HostCopyEngine",
     "make_engine",
-    "plan_copy",
     "validate_regions",
 ]
 

@@ -14,10 +14,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Generator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from tiered_kv.errors import LayoutError, TransferError
-from tiered_kv.transfer.plan import check_ids
 
 log = logging.getLogger(__name__)
 
@@ -81,17 +81,17 @@ class CopyEngine(ABC):
     def closed(self) -> bool:
         return self._closed
 
-    def submit_store(self, gpu_ids: Sequence[int], cpu_slots: Sequence[int]) -> CopyHandle:
+    def submit_store(self, gpu_ids: Sequence[int] | np.ndarray, cpu_slots: Sequence[int] | np.ndarray) -> CopyHandle:
         """Copy GPU blocks ``gpu_ids[i]`` into CPU slots ``cpu_slots[i]``."""
-        src, dst = check_ids(
+        src, dst = check_id_arrays(
             gpu_ids, cpu_slots, src_len=self.num_blocks, dst_len=self.num_slots,
             src_name="gpu block id", dst_name="cpu slot",
         )  # fmt: skip
         return self._submit(Direction.STORE, src, dst)
 
-    def submit_load(self, cpu_slots: Sequence[int], gpu_ids: Sequence[int]) -> CopyHandle:
+    def submit_load(self, cpu_slots: Sequence[int] | np.ndarray, gpu_ids: Sequence[int] | np.ndarray) -> CopyHandle:
         """Copy CPU slots ``cpu_slots[i]`` into GPU blocks ``gpu_ids[i]``."""
-        src, dst = check_ids(
+        src, dst = check_id_arrays(
             cpu_slots, gpu_ids, src_len=self.num_slots, dst_len=self.num_blocks,
             src_name="cpu slot", dst_name="gpu block id",
         )  # fmt: skip
@@ -114,10 +114,10 @@ class CopyEngine(ABC):
 
     @abstractmethod
     def _launch(
-        self, direction: Direction, src: list[int], dst: list[int], handle: CopyHandle,
+        self, direction: Direction, src: np.ndarray, dst: np.ndarray, handle: CopyHandle,
         loop: asyncio.AbstractEventLoop,
     ) -> None:  # fmt: skip
-        """Start the copy; arrange ``loop.call_soon_threadsafe(self._resolve, fut, err)`` at the end."""
+        """Start the copy (ids are validated int64 arrays); arrange ``loop.call_soon_threadsafe(self._resolve, fut, err)`` at the end."""
 
     @abstractmethod
     def _release(self) -> None:
@@ -167,6 +167,46 @@ class CopyEngine(ABC):
         self._release()
 
 
+def _id_array(ids: Sequence[int] | np.ndarray, name: str) -> np.ndarray:
+    if isinstance(ids, torch.Tensor):
+        ids = ids.cpu().numpy()
+    arr = np.asarray(ids)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) and arr.dtype != np.bool_):
+        raise TransferError(f"{name}s must be integers, got {arr.dtype} of shape {list(arr.shape)}")
+    return arr.astype(np.int64, copy=False)
+
+
+def check_id_arrays(
+    src_ids: Sequence[int] | np.ndarray,
+    dst_ids: Sequence[int] | np.ndarray,
+    *,
+    src_len: int,
+    dst_len: int,
+    src_name: str = "src id",
+    dst_name: str = "dst id",
+) -> tuple[np.ndarray, np.ndarray]:
+    """Both id lists as int64 arrays, or TransferError naming the numbers (vectorized).
+
+    Checks: equal lengths, every id in ``[0, len)`` (negative ids never wrap),
+    no destination id twice (two rows racing for one block is always a bug).
+    """
+    src, dst = _id_array(src_ids, src_name), _id_array(dst_ids, dst_name)
+    if len(src) != len(dst):
+        raise TransferError(f"length mismatch: {len(src)} {src_name}s vs {len(dst)} {dst_name}s")
+    for ids, length, name in ((src, src_len, src_name), (dst, dst_len, dst_name)):
+        bad = (ids < 0) | (ids >= length)
+        if bad.any():
+            raise TransferError(f"{name} {int(ids[np.argmax(bad)])} out of range [0, {length})")
+    if len(dst) > 1:
+        ordered = np.sort(dst)
+        dup = ordered[1:] == ordered[:-1]
+        if dup.any():
+            raise TransferError(f"duplicate {dst_name} {int(ordered[1:][np.argmax(dup)])} in one batch")
+    return src, dst
+
+
 def validate_regions(gpu: Sequence[torch.Tensor], cpu: Sequence[torch.Tensor]) -> None:
     """Raise LayoutError unless both sides are matching lists of 2-D uint8 tensors."""
     if not gpu:
@@ -180,6 +220,8 @@ def validate_regions(gpu: Sequence[torch.Tensor], cpu: Sequence[torch.Tensor]) -
                     f"{t.dtype} tensor of {t.dim()} dims" if isinstance(t, torch.Tensor) else type(t).__name__
                 )
                 raise LayoutError(f"{side} region {r} must be a 2-D uint8 tensor, got {what}")
+            if t.shape[0] > 1 and (t.stride(0) < t.shape[1] or t.stride(1) != 1):
+                raise LayoutError(f"{side} region {r}: rows overlap or are not dense (strides {list(t.stride())})")
         rows = {int(t.shape[0]) for t in regions}
         if len(rows) != 1:
             raise LayoutError(f"{side} regions disagree on the block count: {sorted(rows)}")

@@ -6,35 +6,45 @@ vLLM #45704): at submit time an event is recorded on the caller's current
 A store therefore reads what the compute stream wrote, and a load never
 overwrites a block the compute stream may still be reading.
 
-Scattered GPU ids are gathered (store) or scattered (load) on the GPU through
-a reusable device staging buffer, so the PCIe transfer is one DMA per run of
-consecutive CPU slots instead of one per block. Trade-off: every staged byte
-makes one extra pass through HBM (~3 TB/s, a few percent of the PCIe time)
-and the engine holds up to ``staging_bytes`` of GPU memory per direction; in
-return small blocks (16 KiB) do not pay a launch and a short, inefficient DMA
-each. Runs that are consecutive on both sides skip the staging entirely.
-Scattered CPU slots still cost one DMA per slot, so the CPU tier should hand
-out slots in runs.
+Host side: a copy between the GPU and a *strided* host view is not one DMA
+(torch stages it through a pageable temporary and may synchronise the calling
+thread), so every host copy here is between contiguous buffers. The CPU tier
+is one block-major slab ``[num_slots, bytes_per_block]``: a run of consecutive
+slots is one contiguous pinned buffer holding all regions of those blocks.
+A store gathers each region on the device into a block-major staging buffer
+(``index_select`` into its columns), then issues one D2H DMA per run of
+consecutive slots; a load does one H2D DMA per run into staging, then scatters
+each region's columns on the device. Every staged byte makes one extra pass
+through HBM (~3 TB/s, a few percent of the PCIe time) and the engine holds up
+to ``staging_bytes`` of GPU memory per direction. CPU regions that are separate
+contiguous tensors are handled one region at a time the same way, and runs
+consecutive on both sides then skip the staging.
 
 Completion: each batch records a (blocking-sync) event on its stream; the
 EventBridge waiter thread for that direction synchronises it and resolves the
 future on the loop. ``handle.event`` lets a compute stream wait on a load
 directly (``torch.cuda.current_stream().wait_event(handle.event)``).
+The enqueue functions are device-agnostic, so CPU tests drive the same code.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from tiered_kv.errors import LayoutError, TransferError
+from tiered_kv.errors import ConfigError, LayoutError, TransferError
 from tiered_kv.transfer.base import CopyEngine, CopyHandle, Direction
 from tiered_kv.transfer.bridge import EventBridge
-from tiered_kv.transfer.plan import Run, dst_runs, spans, src_runs, widen_pair
 
 DEFAULT_STAGING_BYTES = 64 * 1024 * 1024
+
+# Widest element type first: the device index kernels move one element per
+# thread, so int64 rows move 8x fewer elements than uint8 rows.
+_WIDE_DTYPES = (torch.int64, torch.int32, torch.int16)
 
 
 class CUDAStreamEngine(CopyEngine):
@@ -48,6 +58,8 @@ class CUDAStreamEngine(CopyEngine):
         staging_bytes: int = DEFAULT_STAGING_BYTES,
     ) -> None:
         super().__init__(gpu_regions, cpu_regions)
+        if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < 1:
+            raise ConfigError(f"staging_bytes must be a positive int, got {staging_bytes!r}")
         self._device = self._gpu[0].device
         for r, t in enumerate(self._gpu):
             if t.device.type != "cuda" or t.device != self._device:
@@ -57,7 +69,8 @@ class CUDAStreamEngine(CopyEngine):
         for r, t in enumerate(self._cpu):
             if t.device.type != "cpu":
                 raise LayoutError(f"cpu region {r} is on {t.device}, expected cpu")
-        unpinned = [r for r, t in enumerate(self._cpu) if not t.is_pinned()]
+        self.host_slabs = host_slabs(self._cpu)
+        unpinned = [r for s in self.host_slabs if not s.rows.is_pinned() for r in s.regions]
         if unpinned:
             raise TransferError(
                 f"cpu regions {unpinned} are not pinned: asynchronous copies need page-locked memory "
@@ -68,21 +81,27 @@ class CUDAStreamEngine(CopyEngine):
             self._streams = {
                 d: torch.cuda.Stream(device=self._device, priority=least_priority) for d in Direction
             }
-        self._staging = {d: Staging(self._device, int(staging_bytes)) for d in Direction}
+        self._staging = {d: Staging(self._device, staging_bytes) for d in Direction}
         self._bridges = {d: EventBridge(f"tiered-kv-{d.value}-waiter") for d in Direction}
+
+    @property
+    def block_major(self) -> bool:
+        """True when the CPU regions tile one block-major slab (one DMA per run of slots, all regions)."""
+        return len(self.host_slabs) == 1 and len(self.host_slabs[0].regions) > 1
 
     def stream(self, direction: Direction) -> torch.cuda.Stream:
         """The copy stream of one direction (for profiling and tests)."""
         return self._streams[direction]
 
     def _launch(
-        self, direction: Direction, src: list[int], dst: list[int], handle: CopyHandle,
+        self, direction: Direction, src: np.ndarray, dst: np.ndarray, handle: CopyHandle,
         loop: asyncio.AbstractEventLoop,
     ) -> None:  # fmt: skip
         stream = self._streams[direction]
+        staging = self._staging[direction]
         keep: list[torch.Tensor] = []
 
-        def index(ids: list[int]) -> torch.Tensor:
+        def index(ids: np.ndarray) -> torch.Tensor:
             return self._device_index(ids, keep)
 
         error: TransferError | None = None
@@ -94,8 +113,10 @@ class CUDAStreamEngine(CopyEngine):
             with torch.cuda.stream(stream):
                 stream.wait_event(ready)
                 try:
-                    enqueue = enqueue_store if direction is Direction.STORE else enqueue_load
-                    enqueue(self._gpu, self._cpu, src, dst, self._staging[direction], index)
+                    if direction is Direction.STORE:
+                        enqueue_store(self._gpu, self.host_slabs, src, dst, staging, index)
+                    else:
+                        enqueue_load(self._gpu, self.host_slabs, src, dst, staging, index)
                 except Exception as exc:
                     # Part of the batch may be queued already: report the failure
                     # only after `done`, when none of it can still be running.
@@ -104,6 +125,8 @@ class CUDAStreamEngine(CopyEngine):
                     )
                     error.__cause__ = exc
                 done.record(stream)
+        if staging.buffer is not None:
+            keep.append(staging.buffer)
         handle.event = done
         self._bridges[direction].watch(done, handle.future, loop, self._resolve, error=error, keepalive=keep)
 
@@ -113,19 +136,75 @@ class CUDAStreamEngine(CopyEngine):
         for staging in self._staging.values():
             staging.release()
 
-    def _device_index(self, ids: list[int], keep: list[torch.Tensor]) -> torch.Tensor:
+    def _device_index(self, ids: np.ndarray, keep: list[torch.Tensor]) -> torch.Tensor:
         # Pinned source + non_blocking: a pageable or synchronous upload would make
         # this (loop) thread wait for the copy stream, i.e. for the compute stream.
-        if not ids:
-            return torch.empty(0, dtype=torch.int64, device=self._device)
-        host = torch.tensor(ids, dtype=torch.int64).pin_memory()
+        host = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).pin_memory()
         dev = host.to(self._device, non_blocking=True)
         keep += (host, dev)
         return dev
 
 
+@dataclass(frozen=True)
+class HostSlab:
+    """Contiguous host rows ``[num_slots, width]``; region ``regions[i]`` sits at columns ``offsets[i]..``."""
+
+    rows: torch.Tensor
+    regions: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    @property
+    def width(self) -> int:
+        return int(self.rows.shape[1])
+
+
+def host_slabs(cpu_regions: Sequence[torch.Tensor]) -> list[HostSlab]:
+    """The CPU regions as contiguous row buffers the DMAs can address.
+
+    One block-major slab when the regions are column views that tile it exactly
+    (one storage, row stride = the sum of the widths, no gap, no overlap); else
+    one slab per region, each of which must have contiguous rows.
+    """
+    slab = _block_major(cpu_regions)
+    if slab is not None:
+        return [slab]
+    out = []
+    for r, c in enumerate(cpu_regions):
+        if c.shape[0] > 1 and c.shape[1] > 0 and c.stride(0) != c.shape[1]:
+            raise LayoutError(
+                f"cpu region {r} has a row stride of {c.stride(0)} bytes for {int(c.shape[1])}-byte rows, and the "
+                "cpu regions do not tile one block-major slab: a copy to strided host memory is not one DMA"
+            )
+        out.append(HostSlab(c, (r,), (0,)))
+    return out
+
+
+def _block_major(cpu: Sequence[torch.Tensor]) -> HostSlab | None:
+    if len(cpu) < 2:
+        return None  # a lone region is its own slab (or strided and refused)
+    rows = int(cpu[0].shape[0])
+    widths = [int(c.shape[1]) for c in cpu]
+    width = sum(widths)
+    storage = cpu[0].untyped_storage().data_ptr()
+    for c in cpu:
+        if c.untyped_storage().data_ptr() != storage or c.stride(1) != 1:
+            return None
+        if rows > 1 and c.stride(0) != width:
+            return None
+    starts = [c.storage_offset() for c in cpu]  # uint8: elements are bytes
+    base = min(starts)
+    pos = base
+    for r in sorted(range(len(cpu)), key=lambda r: (starts[r], widths[r])):
+        if starts[r] != pos:
+            return None  # a gap (bytes of someone else's) or an overlap
+        pos += widths[r]
+    # Within the storage: the region ending at column `width` reaches base + rows * width.
+    slab = cpu[0].as_strided((rows, width), (width, 1), base)
+    return HostSlab(slab, tuple(range(len(cpu))), tuple(s - base for s in starts))
+
+
 class Staging:
-    """A reusable device buffer, handed out in chunks of at most ``limit_bytes``.
+    """A reusable device buffer, handed out as ``[n, width]`` views of at most ``limit_bytes``.
 
     Reusing one buffer across chunks, regions and batches is safe because all of
     them run in order on one stream. Device-agnostic, so CPU tests can drive it.
@@ -134,85 +213,137 @@ class Staging:
     def __init__(self, device: torch.device, limit_bytes: int) -> None:
         self.device = device
         self.limit_bytes = limit_bytes
-        self._buf: torch.Tensor | None = None
+        self.buffer: torch.Tensor | None = None
 
-    def chunks(self, rows: int, block_bytes: int):
-        """Yield (offset, n, view [n, block_bytes]) covering ``rows`` rows."""
-        per_chunk = max(1, self.limit_bytes // block_bytes)
-        for off in range(0, rows, per_chunk):
-            n = min(per_chunk, rows - off)
-            yield off, n, self._take(n * block_bytes).view(n, block_bytes)
+    def rows_per_chunk(self, width: int) -> int:
+        """Rows of ``width`` bytes per chunk; one chunk exceeds the limit only when one row does."""
+        return max(1, self.limit_bytes // max(width, 1))
 
-    def release(self) -> None:
-        self._buf = None
-
-    def _take(self, nbytes: int) -> torch.Tensor:
-        buf = self._buf
+    def view(self, rows: int, width: int) -> torch.Tensor:
+        nbytes = rows * width
+        buf = self.buffer
         if buf is None or buf.numel() < nbytes:
             # Allocated while the copy stream is current, so the caching allocator
             # ties it (and the memory of any buffer it replaces) to that stream.
-            # Doubling bounds the regrowths; one chunk may exceed the limit only
-            # when a single block does.
+            # Doubling bounds the regrowths.
             size = max(nbytes, min(self.limit_bytes, 2 * (0 if buf is None else buf.numel())))
-            buf = self._buf = torch.empty(size, dtype=torch.uint8, device=self.device)
-        return buf[:nbytes]
+            buf = self.buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+        return buf[:nbytes].view(rows, width)
+
+    def release(self) -> None:
+        self.buffer = None
 
 
-Index = Callable[[list[int]], torch.Tensor]
+Index = Callable[[np.ndarray], torch.Tensor]
 
 
 def enqueue_store(
-    gpu: Sequence[torch.Tensor], cpu: Sequence[torch.Tensor], gpu_ids: list[int], cpu_slots: list[int],
+    gpu: Sequence[torch.Tensor], slabs: Sequence[HostSlab], gpu_ids: np.ndarray, cpu_slots: np.ndarray,
     staging: Staging, index: Index,
 ) -> None:  # fmt: skip
-    """Queue GPU rows -> CPU rows on the current stream (gather, then one DMA per CPU run)."""
-    direct, st_gpu, st_cpu = _split_runs(dst_runs(gpu_ids, cpu_slots), staged_side="src")
-    idx = index(st_gpu)
-    for g, c in zip(gpu, cpu, strict=True):
-        for run in direct:
-            c[run.dst[0] : run.dst[0] + len(run.dst)].copy_(
-                g[run.src[0] : run.src[0] + len(run.src)], non_blocking=True
-            )
-        for off, n, stage in staging.chunks(len(st_gpu), int(g.shape[1])):
-            gw, sw = widen_pair(g, stage)
-            torch.index_select(gw, 0, idx[off : off + n], out=sw)
-            for o, first, length in spans(st_cpu[off : off + n]):
-                c[first : first + length].copy_(stage[o : o + length], non_blocking=True)
+    """Queue GPU rows -> CPU slots on the current stream: gather into staging, one DMA per run of slots."""
+    plan = _Plan(cpu_slots, gpu_ids, direct_ok=len(slabs[0].regions) == 1, index=index)
+    for slab in slabs:
+        for g0, s0, n in plan.direct:
+            slab.rows[s0 : s0 + n].copy_(gpu[slab.regions[0]][g0 : g0 + n], non_blocking=True)
+        for stage, ids, spans in plan.staged(slab.width, staging):
+            for r, off in zip(slab.regions, slab.offsets, strict=True):
+                g = gpu[r]
+                cols = stage[:, off : off + int(g.shape[1])]
+                if isinstance(ids, int):  # consecutive GPU rows: a strided device copy, no index
+                    gw, cw = _widen(g[ids : ids + len(stage)], cols)
+                    cw.copy_(gw)
+                else:
+                    gw, cw = _widen(g, cols)
+                    torch.index_select(gw, 0, ids, out=cw)
+            for o, first, length in spans:
+                slab.rows[first : first + length].copy_(stage[o : o + length], non_blocking=True)
 
 
 def enqueue_load(
-    gpu: Sequence[torch.Tensor], cpu: Sequence[torch.Tensor], cpu_slots: list[int], gpu_ids: list[int],
+    gpu: Sequence[torch.Tensor], slabs: Sequence[HostSlab], cpu_slots: np.ndarray, gpu_ids: np.ndarray,
     staging: Staging, index: Index,
 ) -> None:  # fmt: skip
-    """Queue CPU rows -> GPU rows on the current stream (one DMA per CPU run, then scatter)."""
-    direct, st_cpu, st_gpu = _split_runs(src_runs(cpu_slots, gpu_ids), staged_side="dst")
-    idx = index(st_gpu)
-    for g, c in zip(gpu, cpu, strict=True):
-        for run in direct:
-            g[run.dst[0] : run.dst[0] + len(run.dst)].copy_(
-                c[run.src[0] : run.src[0] + len(run.src)], non_blocking=True
-            )
-        for off, n, stage in staging.chunks(len(st_cpu), int(g.shape[1])):
-            for o, first, length in spans(st_cpu[off : off + n]):
-                stage[o : o + length].copy_(c[first : first + length], non_blocking=True)
-            sw, gw = widen_pair(stage, g)
-            gw.index_copy_(0, idx[off : off + n], sw)
+    """Queue CPU slots -> GPU rows on the current stream: one DMA per run of slots, then scatter."""
+    plan = _Plan(cpu_slots, gpu_ids, direct_ok=len(slabs[0].regions) == 1, index=index)
+    for slab in slabs:
+        for g0, s0, n in plan.direct:
+            gpu[slab.regions[0]][g0 : g0 + n].copy_(slab.rows[s0 : s0 + n], non_blocking=True)
+        for stage, ids, spans in plan.staged(slab.width, staging):
+            for o, first, length in spans:
+                stage[o : o + length].copy_(slab.rows[first : first + length], non_blocking=True)
+            for r, off in zip(slab.regions, slab.offsets, strict=True):
+                g = gpu[r]
+                cols = stage[:, off : off + int(g.shape[1])]
+                if isinstance(ids, int):
+                    cw, gw = _widen(cols, g[ids : ids + len(stage)])
+                    gw.copy_(cw)
+                else:
+                    cw, gw = _widen(cols, g)
+                    gw.index_copy_(0, ids, cw)
 
 
-def _split_runs(runs: list[Run], *, staged_side: str) -> tuple[list[Run], list[int], list[int]]:
-    """Runs contiguous on both sides are copied directly; the rest go through staging.
+class _Plan:
+    """A batch's rows sorted by CPU slot, split into direct runs and staged rows.
 
-    ``staged_side`` is the GPU side ("src" for stores, "dst" for loads): a run
-    needs staging when its GPU ids are not consecutive. Returns the direct runs
-    and the staged rows as flat (src ids, dst ids) lists in run order.
+    A direct run (only for single-region slabs, whose rows are whole blocks) is
+    consecutive on both sides: one copy, no staging. Everything else is staged
+    in chunks; the GPU index is uploaded once per batch, and only when some
+    chunk's GPU rows are not consecutive.
     """
-    direct: list[Run] = []
-    st_src: list[int] = []
-    st_dst: list[int] = []
-    for run in runs:
-        if run.src_contiguous if staged_side == "src" else run.dst_contiguous:
-            direct.append(run)
+
+    def __init__(self, slots: np.ndarray, dev: np.ndarray, *, direct_ok: bool, index: Index) -> None:
+        if len(slots) > 1 and not bool(np.all(slots[1:] > slots[:-1])):
+            order = np.argsort(slots, kind="stable")
+            slots, dev = slots[order], dev[order]
+        bounds = _run_bounds(slots)
+        a, b = bounds[:-1], bounds[1:]
+        if direct_ok and len(slots):
+            cuts = np.flatnonzero(np.diff(dev) != 1) + 1  # where the GPU ids stop being consecutive
+            direct = np.searchsorted(cuts, b, "left") == np.searchsorted(cuts, a, "right")
         else:
-            st_src.extend(run.src)
-            st_dst.extend(run.dst)
-    return direct, st_src, st_dst
+            direct = np.zeros(len(a), dtype=bool)
+        firsts = (dev[a[direct]].tolist(), slots[a[direct]].tolist(), (b - a)[direct].tolist())
+        self.direct = list(zip(*firsts, strict=True))
+        staged = np.repeat(~direct, b - a)
+        self.slots, self.dev = slots[staged], dev[staged]
+        self._index = index
+        self._idx: torch.Tensor | None = None
+
+    def staged(self, width: int, staging: Staging) -> Iterator[tuple[torch.Tensor, int | torch.Tensor, list]]:
+        """Yield (stage ``[n, width]``, GPU rows as a first id or an index, slot spans) per chunk."""
+        total = len(self.slots)
+        per = staging.rows_per_chunk(width)
+        for a in range(0, total, per):
+            b = min(total, a + per)
+            dev = self.dev[a:b]
+            if int(dev[-1]) - int(dev[0]) == b - a - 1 and bool(np.all(np.diff(dev) == 1)):
+                ids: int | torch.Tensor = int(dev[0])
+            else:
+                if self._idx is None:
+                    self._idx = self._index(self.dev)
+                ids = self._idx[a:b]
+            yield staging.view(b - a, width), ids, _spans(self.slots[a:b])
+
+
+def _run_bounds(ids: np.ndarray) -> np.ndarray:
+    """``[0, ..., n]``: boundaries of the runs of consecutive ids."""
+    cuts = np.flatnonzero(np.diff(ids) != 1) + 1
+    return np.concatenate(([0], cuts, [len(ids)])).astype(np.int64) if len(ids) else np.zeros(1, np.int64)
+
+
+def _spans(slots: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(offset, first slot, length)`` for each run of consecutive slots."""
+    bounds = _run_bounds(slots)
+    starts = bounds[:-1]
+    return list(zip(starts.tolist(), slots[starts].tolist(), np.diff(bounds).tolist(), strict=True))
+
+
+def _widen(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same bytes viewed as the widest integer type both tensors allow (offsets, strides, widths)."""
+    for dtype in _WIDE_DTYPES:
+        try:
+            return src.view(dtype), dst.view(dtype)
+        except RuntimeError:
+            continue
+    return src, dst

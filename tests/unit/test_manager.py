@@ -1,0 +1,214 @@
+"""The tier manager without an event loop: plans, completions, evictions, spills, promotions, events."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from tiered_kv.manager import READY, RESERVED, TierManager
+
+KB = 32
+
+
+def keys(prefix: str, n: int) -> list[bytes]:
+    return [hashlib.sha256(f"{prefix}{i}".encode()).digest() for i in range(n)]
+
+
+def ids(n: int, start: int = 0) -> np.ndarray:
+    return np.arange(start, start + n, dtype=np.int64)
+
+
+def store(m: TierManager, ks: list[bytes]):
+    plan = m.prepare_store(ks, ids(len(ks)))
+    if plan.spill is not None:
+        m.complete_spill(plan.spill, np.ones(len(plan.spill), dtype=bool))
+    wt = m.complete_store(plan, True)
+    if wt is not None:
+        m.complete_spill(wt, np.ones(len(wt), dtype=bool))
+    return plan
+
+
+def load(m: TierManager, ks: list[bytes], max_promote: int = 1 << 20, ok=None) -> int:
+    plan = m.prepare_load(ks, max_promote)
+    n = len(plan)
+    if plan.spill is not None:
+        m.complete_spill(plan.spill, np.ones(len(plan.spill), dtype=bool))
+    if plan.promote is not None:
+        mask = np.ones(len(plan.promote), dtype=bool) if ok is None else ok(plan.promote)
+        n = m.complete_promote(plan, mask)
+    m.complete_load(plan, n)
+    return n
+
+
+def test_store_then_lookup_and_dedupe():
+    m = TierManager(16, None, KB)
+    ks = keys("a", 4)
+    assert m.lookup(ks).total == 0
+    plan = store(m, ks)
+    assert list(plan.cpu_slots) == [0, 1, 2, 3]  # ascending fresh slots: one run
+    res = m.lookup(ks + keys("b", 2))
+    assert (res.total, res.cpu, res.disk, res.in_flight) == (4, 4, 0, False)
+    again = m.prepare_store(ks + ks[:1], ids(5))
+    assert (len(again.cpu_slots), again.deduped, again.in_flight) == (0, 5, 0)
+    m.complete_store(again, True)
+    m.check_invariants()
+    assert [k for kind, tier, k in m.take_events() if kind == "stored"] == [ks]
+
+
+def test_a_key_in_flight_is_counted_not_stored_twice():
+    m = TierManager(16, None, KB)
+    ks = keys("a", 3)
+    first = m.prepare_store(ks, ids(3))
+    assert m.lookup(ks).in_flight
+    second = m.prepare_store(ks, ids(3, 10))
+    assert (len(second.cpu_slots), second.in_flight) == (0, 3)
+    assert m.prepare_load(ks, 8).stop == "in_flight"
+    m.complete_store(first, False)  # aborted: the slots are free again
+    assert m.lookup(ks).total == 0 and m.cpu.free_count == 16
+    m.check_invariants()
+
+
+def test_full_cpu_tier_without_disk_evicts_tails_first():
+    m = TierManager(4, None, KB)
+    a, b = keys("a", 4), keys("b", 2)
+    store(m, a)
+    plan = store(m, b)
+    assert plan.spill is None and len(plan.cpu_slots) == 2
+    assert m.lookup(a).total == 2  # a's tail (a[2], a[3]) went, its head stays
+    evicted = [k for kind, tier, k in m.take_events() if kind == "evicted"]
+    assert evicted == [[a[3], a[2]]]
+    m.check_invariants()
+
+
+def test_dirty_victims_are_spilled_before_their_slots_are_reused():
+    m = TierManager(4, 16, KB)
+    a, b = keys("a", 4), keys("b", 3)
+    store(m, a)
+    plan = m.prepare_store(b, ids(3))
+    spill = plan.spill
+    assert spill is not None and spill.reuse and sorted(spill.cpu_slots) == sorted(plan.cpu_slots)
+    # until the spill lands the victims are nowhere: in flight, not hits
+    assert m.lookup(a).total == 1 and m.lookup(a[1:]).in_flight
+    assert set(map(bytes, spill.keys)) == set(a[1:])
+    m.complete_spill(spill, np.array([True, True, False]))
+    m.complete_store(plan, True)
+    res = m.lookup(a)
+    assert (res.total, res.cpu) == (1, 1)  # a[1] was lost by the failed write
+    assert m.lookup(a[2:]).disk == 2
+    dropped = [k for kind, tier, k in m.take_events() if kind == "dropped"]
+    assert len(dropped) == 1 and len(dropped[0]) == 1
+    m.check_invariants()
+
+
+def test_load_promotes_disk_hits_and_pins_until_complete():
+    m = TierManager(4, 16, KB)
+    a = keys("a", 4)
+    store(m, a)
+    store(m, keys("b", 4))  # pushes all of a to disk
+    assert m.lookup(a).disk == 4
+    plan = m.prepare_load(a, 8)
+    assert plan.promote is not None and len(plan.promote) == 4 and plan.stop == ""
+    assert np.all(m.cpu.state[plan.promote.cpu_slots] == RESERVED)
+    assert m.prepare_load(a, 8).stop == "in_flight"  # a second load waits for this promotion
+    n = m.complete_promote(plan, np.ones(4, dtype=bool))
+    assert n == 4 and np.all(m.cpu.pins[plan.cpu_slots] == 1)
+    m.complete_load(plan, n)
+    assert np.all(m.cpu.pins == 0) and np.all(m.cpu.state[plan.cpu_slots] == READY)
+    assert m.lookup(a).cpu == 4  # promoted; the disk copies stay (inclusive) until evicted
+    m.check_invariants()
+
+
+def test_a_failed_promotion_ends_the_run_and_drops_the_bad_block():
+    m = TierManager(8, 16, KB)
+    a = keys("a", 4)
+    store(m, a)
+    store(m, keys("b", 8))
+    assert m.lookup(a).disk == 4
+    n = load(m, a, ok=lambda job: np.array([True, True, False, True]))
+    assert n == 2
+    assert m.lookup(a).total == 2  # a[2] is gone from disk for good
+    assert len(m.disk_invalidate) == 1 and len(m.disk_invalidate[0]) == 1
+    m.check_invariants()
+
+
+def test_a_disk_prefix_longer_than_the_cpu_tier_loads_in_chunks():
+    m = TierManager(4, 32, KB)
+    a = keys("a", 12)
+    for i in range(0, 12, 4):
+        store(m, a[i : i + 4])
+    store(m, keys("x", 4))
+    assert m.lookup(a).total == 12
+    loaded = 0
+    while loaded < 12:
+        plan = m.prepare_load(a[loaded:], 2)
+        assert len(plan) and plan.stop in ("room", "")
+        n = m.complete_promote(plan, np.ones(len(plan.promote), dtype=bool)) if plan.promote else len(plan)
+        if plan.spill is not None:
+            m.complete_spill(plan.spill, np.ones(len(plan.spill), dtype=bool))
+        m.complete_load(plan, n)
+        loaded += n
+    assert loaded == 12
+    m.check_invariants()
+
+
+def test_write_through_pins_the_cpu_copy_while_it_is_written():
+    m = TierManager(8, 8, KB, write_through=True)
+    a = keys("a", 3)
+    plan = m.prepare_store(a, ids(3))
+    job = m.complete_store(plan, True)
+    assert job is not None and not job.reuse and np.all(m.cpu.pins[job.cpu_slots] == 1)
+    assert m.cpu.evictable == 0
+    m.complete_spill(job, np.ones(3, dtype=bool))
+    assert m.cpu.evictable == 3 and m.lookup(a).cpu == 3 and m.disk.n_ready == 3
+    m.check_invariants()
+
+
+def test_nothing_evictable_leaves_keys_unplaced():
+    m = TierManager(2, None, KB)
+    a = keys("a", 2)
+    store(m, a)
+    plan = m.prepare_load(a, 4)  # pins both
+    s = m.prepare_store(keys("b", 2), ids(2))
+    assert len(s.cpu_slots) == 0 and s.unplaced == 2
+    m.complete_store(s, True)
+    m.complete_load(plan, 2)
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_operations_keep_the_invariants(seed):
+    rng = np.random.default_rng(seed)
+    m = TierManager(16, 32, KB, write_through=bool(seed % 2))
+    pool = keys("p", 80)
+    open_loads = []
+    for _ in range(400):
+        op = rng.integers(4)
+        ks = [pool[i] for i in rng.choice(80, size=rng.integers(1, 9), replace=False)]
+        if op == 0:
+            plan = m.prepare_store(ks, ids(len(ks)))
+            if plan.spill is not None:
+                m.complete_spill(plan.spill, rng.random(len(plan.spill)) < 0.9)
+            wt = m.complete_store(plan, bool(rng.random() < 0.9))
+            if wt is not None:
+                m.complete_spill(wt, rng.random(len(wt)) < 0.9)
+        elif op == 1:
+            plan = m.prepare_load(ks, int(rng.integers(1, 6)))
+            if plan.spill is not None:
+                m.complete_spill(plan.spill, np.ones(len(plan.spill), dtype=bool))
+            n = len(plan)
+            if plan.promote is not None:
+                n = m.complete_promote(plan, rng.random(len(plan.promote)) < 0.9)
+            open_loads.append((plan, n))
+        elif op == 2 and open_loads:
+            plan, n = open_loads.pop(int(rng.integers(len(open_loads))))
+            m.complete_load(plan, n)
+        else:
+            m.lookup(ks)
+            m.touch(ks)
+        m.check_invariants()
+    for plan, n in open_loads:
+        m.complete_load(plan, n)
+    m.check_invariants()
+    assert np.all(m.cpu.pins == 0)

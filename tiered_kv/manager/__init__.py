@@ -1,0 +1,19 @@
+"""The synchronous tier manager: indexes, policies, pins and placement, no I/O and no awaits."""
+
+from .manager import EVENT_KINDS, TierManager
+from .plans import LoadPlan, LookupResult, PromoteJob, SpillJob, StorePlan
+from .tier_index import FREE, READY, RESERVED, TierIndex
+
+__all__ = [
+    "EVENT_KINDS",
+    "FREE",
+    "READY",
+    "RESERVED",
+    "LoadPlan",
+    "LookupResult",
+    "PromoteJob",
+    "SpillJob",
+    "StorePlan",
+    "TierIndex",
+    "TierManager",
+]

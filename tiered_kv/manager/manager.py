@@ -1,0 +1,339 @@
+"""TierManager: every tier's index, policy, pins and placement decisions, with no awaits.
+
+The shape follows vLLM's kv_offload manager: ``lookup``; ``prepare_store`` ->
+a plan of slots (plus the spill its evictions imply) -> ``complete_store(ok)``;
+``prepare_load`` -> a plan (CPU hits pinned, disk hits to promote) ->
+``complete_promote`` -> ``complete_load``; ``complete_spill``; ``take_events``.
+It never touches bytes and never awaits, so it is testable without an event
+loop; the async mover executes its plans.
+
+Placement: CPU and disk are inclusive for promoted blocks (a promoted block's
+disk copy stays until the disk evicts it) and write-back on eviction: a dirty
+CPU victim is written to disk before its slot's new owner is copied in.
+Requests' keys are inserted and touched last block first, so a prefix's head is
+always the most recent and its tail is evicted first.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from .plans import LoadPlan, LookupResult, PromoteJob, SpillJob, StorePlan
+from .tier_index import EMPTY, READY, RESERVED, TierIndex
+
+EVENT_KINDS = ("stored", "evicted", "spilled", "dropped")
+
+
+def key_rows(keys: Sequence[bytes], key_bytes: int) -> np.ndarray:
+    """The keys as one ``uint8[n, key_bytes]`` array (keys are validated by the caller)."""
+    return np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(len(keys), key_bytes)
+
+
+def first_repeat(keys: Sequence[bytes]) -> int:
+    """Index of the first key that repeats an earlier one, or len(keys)."""
+    if len(set(keys)) == len(keys):
+        return len(keys)
+    seen: set[bytes] = set()
+    for i, key in enumerate(keys):
+        if key in seen:
+            return i
+        seen.add(key)
+    return len(keys)  # pragma: no cover - set() said there was a repeat
+
+
+class TierManager:
+    """Bookkeeping for the CPU tier and an optional disk tier (loop thread only)."""
+
+    def __init__(
+        self,
+        cpu_slots: int,
+        disk_slots: int | None,
+        key_bytes: int,
+        policy: str = "lru",
+        *,
+        write_through: bool = False,
+        max_events: int = 1 << 16,
+        on_event: Callable[[str, str, int], None] | None = None,
+    ) -> None:
+        self.key_bytes = key_bytes
+        self.cpu = TierIndex("cpu", cpu_slots, key_bytes, policy)
+        self.disk = TierIndex("disk", disk_slots, key_bytes, policy) if disk_slots else None
+        self.disk_writable = self.disk is not None  # the facade clears it when the disk tier degrades
+        self.write_through = write_through
+        self._events: deque[tuple[str, str, np.ndarray]] = deque(maxlen=max_events)
+        self.disk_invalidate: list[np.ndarray] = []  # disk slots dropped for good: the store forgets them
+        self._on_event = on_event  # (kind, tier, count): the facade's metrics
+
+    # -- lookup -----------------------------------------------------------------------
+    def lookup(self, keys: Sequence[bytes]) -> LookupResult:
+        """Longest leading run of READY keys over CPU and disk; no I/O."""
+        n = len(keys)
+        if n == 0:
+            return LookupResult()
+        rows = key_rows(keys, self.key_bytes)
+        cpu_s = self.cpu.keys.find(rows)
+        cpu_st = self.cpu.state[np.maximum(cpu_s, 0)]
+        cpu_ready = (cpu_s >= 0) & (cpu_st == READY)
+        if cpu_ready.all():
+            return LookupResult(n, n, 0, False)
+        pending = (cpu_s >= 0) & (cpu_st == RESERVED)
+        hit = cpu_ready
+        if self.disk is not None:
+            rest = np.flatnonzero(~cpu_ready)
+            d_s = self.disk.keys.find(rows[rest])
+            d_st = self.disk.state[np.maximum(d_s, 0)]
+            hit = cpu_ready.copy()
+            hit[rest] = (d_s >= 0) & (d_st == READY)
+            pending = pending.copy()
+            pending[rest] |= (d_s >= 0) & (d_st == RESERVED)
+        run = int(np.argmin(hit)) if not hit.all() else n
+        n_cpu = int(np.count_nonzero(cpu_ready[:run]))
+        return LookupResult(run, n_cpu, run - n_cpu, bool(run < n and pending[run]))
+
+    def tiers_of(self, keys: Sequence[bytes]) -> list[str]:
+        """The tier each key is READY in ("cpu", then "disk"), or "" (for reports; vectorized)."""
+        if not len(keys):
+            return []
+        rows = key_rows(keys, self.key_bytes)
+        where = np.full(len(keys), "", dtype=object)
+        cpu = self.cpu.find_ready(rows) >= 0
+        where[cpu] = "cpu"
+        if self.disk is not None:
+            rest = np.flatnonzero(~cpu)
+            where[rest[self.disk.find_ready(rows[rest]) >= 0]] = "disk"
+        return where.tolist()
+
+    # -- store -----------------------------------------------------------------------
+    def prepare_store(self, keys: Sequence[bytes], gpu_ids: np.ndarray) -> StorePlan:
+        """Reserve CPU slots for the keys not yet resident; evictions become a spill job or drops."""
+        n = len(keys)
+        rows = key_rows(keys, self.key_bytes)
+        cpu_s = self.cpu.keys.find(rows)
+        cpu_st = self.cpu.state[np.maximum(cpu_s, 0)]
+        resident = (cpu_s >= 0) & (cpu_st == READY)
+        in_flight = (cpu_s >= 0) & (cpu_st == RESERVED)
+        if self.disk is not None:
+            rest = np.flatnonzero(cpu_s < 0)
+            d_s = self.disk.keys.find(rows[rest])
+            d_st = self.disk.state[np.maximum(d_s, 0)]
+            resident[rest] = (d_s >= 0) & (d_st == READY)
+            in_flight[rest] = (d_s >= 0) & (d_st == RESERVED)  # being spilled: on its way to disk
+        repeated = np.zeros(n, dtype=bool)
+        if first_repeat(keys) < n:
+            seen: set[bytes] = set()
+            for i, key in enumerate(keys):
+                repeated[i] = key in seen
+                seen.add(key)
+        new_idx = np.flatnonzero(~(resident | in_flight | repeated))
+        slots = self.cpu.reserve(rows[new_idx])
+        spill = None
+        short = len(new_idx) - len(slots)
+        if short:
+            victims = self.cpu.evict(min(short, self.cpu.evictable))
+            if len(victims):
+                spill = self._spill_or_drop(victims)
+                self.cpu.reassign(victims, rows[new_idx[len(slots) : len(slots) + len(victims)]])
+                slots = np.concatenate([slots, victims])
+        placed = new_idx[: len(slots)]
+        return StorePlan(
+            keys=list(keys),
+            new_keys=[keys[i] for i in placed],
+            gpu_ids=np.asarray(gpu_ids, dtype=np.int64)[placed],
+            cpu_slots=slots,
+            spill=spill,
+            deduped=int(np.count_nonzero(resident | repeated)),
+            in_flight=int(np.count_nonzero(in_flight & ~repeated)),
+            unplaced_idx=new_idx[len(slots) :],
+        )
+
+    def complete_store(self, plan: StorePlan, ok: bool) -> SpillJob | None:
+        """Commit (or abort) the plan's slots; returns a write-through spill job when one is due."""
+        if not ok:
+            self.cpu.abort(plan.cpu_slots)
+            return None
+        self.cpu.commit(plan.cpu_slots[::-1])
+        if len(plan.cpu_slots):
+            self._event("stored", "cpu", self.cpu.keys.slot_keys[plan.cpu_slots])
+        self.touch(plan.keys)
+        if not (self.write_through and self.disk_writable and len(plan.cpu_slots)):
+            return None
+        return self._write_through_job(plan.cpu_slots)
+
+    def _write_through_job(self, cpu_slots: np.ndarray) -> SpillJob | None:
+        rows = self.cpu.keys.slot_keys[cpu_slots]
+        absent = self.disk.keys.find(rows) < 0
+        cpu_slots, rows = cpu_slots[absent], rows[absent]
+        disk_slots = self._reserve_disk(rows)
+        if not len(disk_slots):
+            return None
+        cpu_slots = cpu_slots[: len(disk_slots)]
+        self.cpu.pin(cpu_slots)  # the copy stays servable, and is not evicted while it is read
+        return SpillJob(rows[: len(disk_slots)], cpu_slots, disk_slots, reuse=False)
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Mark resident keys as used, last first, so a prefix's head is the most recent."""
+        if not len(keys):
+            return
+        rows = key_rows(keys, self.key_bytes)[::-1]
+        cpu_s = self.cpu.find_ready(rows)
+        self.cpu.touch(cpu_s[cpu_s >= 0])
+        if self.disk is not None:
+            d_s = self.disk.find_ready(rows)
+            self.disk.touch(d_s[d_s >= 0])
+
+    # -- spills ----------------------------------------------------------------------
+    def _spill_or_drop(self, victims: np.ndarray) -> SpillJob | None:
+        """CPU victims: clean ones (already on disk) are dropped, dirty ones spilled when the disk can."""
+        rows = self.cpu.keys.slot_keys[victims]
+        if self.disk is None or not self.disk_writable:
+            self._event("evicted", "cpu", rows)
+            return None
+        dirty = self.disk.keys.find(rows) < 0
+        if not dirty.all():
+            self._event("evicted", "cpu", rows[~dirty])
+        rows, cpu_slots = rows[dirty], victims[dirty]
+        disk_slots = self._reserve_disk(rows)
+        if len(disk_slots) < len(rows):
+            self._event("dropped", "cpu", rows[len(disk_slots) :])
+        if not len(disk_slots):
+            return None
+        return SpillJob(rows[: len(disk_slots)], cpu_slots[: len(disk_slots)], disk_slots, reuse=True)
+
+    def _reserve_disk(self, rows: np.ndarray) -> np.ndarray:
+        disk = self.disk
+        slots = disk.reserve(rows)
+        short = len(rows) - len(slots)
+        if short:
+            victims = disk.evict(min(short, disk.evictable))
+            if len(victims):
+                self._event("evicted", "disk", disk.keys.slot_keys[victims])
+                disk.reassign(victims, rows[len(slots) : len(slots) + len(victims)])
+                slots = np.concatenate([slots, victims])
+        return slots
+
+    def complete_spill(self, job: SpillJob, ok: np.ndarray) -> None:
+        """Commit the disk slots that were written; a failed block is lost (counted by the caller)."""
+        ok = np.asarray(ok, dtype=bool)
+        self.disk.commit(job.disk_slots[ok])
+        self.disk.abort(job.disk_slots[~ok])
+        if ok.any():
+            self._event("spilled", "disk", job.keys[ok])
+        if not ok.all():
+            self._event("dropped", "disk", job.keys[~ok])
+        if not job.reuse:
+            self.cpu.unpin(job.cpu_slots)
+
+    # -- load ------------------------------------------------------------------------
+    def prepare_load(self, keys: Sequence[bytes], max_promote: int) -> LoadPlan:
+        """Pin the leading run's CPU hits and reserve CPU slots for up to ``max_promote`` disk hits."""
+        n = first_repeat(keys)
+        if n == 0:
+            return LoadPlan(stop="miss" if len(keys) else "")
+        rows = key_rows(keys[:n], self.key_bytes)
+        cpu_s = self.cpu.keys.find(rows)
+        cpu_st = self.cpu.state[np.maximum(cpu_s, 0)]
+        cpu_ready = (cpu_s >= 0) & (cpu_st == READY)
+        pending = (cpu_s >= 0) & (cpu_st == RESERVED)
+        hit = cpu_ready.copy()
+        d_s = np.full(n, -1, dtype=np.int64)
+        if self.disk is not None:
+            rest = np.flatnonzero(cpu_s < 0)  # a key in flight into the CPU tier waits for that, even if on disk
+            found = self.disk.keys.find(rows[rest])
+            d_st = self.disk.state[np.maximum(found, 0)]
+            d_ready = (found >= 0) & (d_st == READY)
+            d_s[rest] = np.where(d_ready, found, -1)
+            hit[rest] = d_ready
+            pending[rest] |= (found >= 0) & (d_st == RESERVED)
+        run = int(np.argmin(hit)) if not hit.all() else n
+        stop = "" if run == len(keys) else ("in_flight" if run < n and pending[run] else "miss")
+        dpos = np.flatnonzero(~cpu_ready[:run])
+        want = min(len(dpos), max(0, max_promote))
+        # This chunk ends before the first disk hit it cannot promote; only its own CPU hits are
+        # pinned (before any eviction below), so hits further on never crowd out its promotions.
+        cut = int(dpos[want]) if want < len(dpos) else run
+        src = cpu_s[:cut].copy()
+        self.cpu.pin(src[cpu_ready[:cut]])
+        promote = spill = None
+        got = 0
+        if want:
+            prows = rows[dpos[:want]]
+            slots = self.cpu.reserve(prows)
+            short = want - len(slots)
+            if short:
+                victims = self.cpu.evict(min(short, self.cpu.evictable))
+                if len(victims):
+                    spill = self._spill_or_drop(victims)
+                    self.cpu.reassign(victims, prows[len(slots) : len(slots) + len(victims)])
+                    slots = np.concatenate([slots, victims])
+            got = len(slots)
+            if got:
+                dslots = d_s[dpos[:got]]
+                self.disk.pin(dslots)
+                src[dpos[:got]] = slots
+                promote = PromoteJob(prows[:got], dslots, slots, dpos[:got])
+        if got < len(dpos):  # the next disk hit has no CPU slot yet: this chunk ends before it
+            end = int(dpos[got])
+            self.cpu.unpin(src[end:][cpu_ready[end:cut]])
+            src, stop = src[:end], "room"
+        return LoadPlan(src, promote, spill, stop, len(src) - got, got, pinned=src[cpu_ready[: len(src)]])
+
+    def complete_promote(self, plan: LoadPlan, ok: np.ndarray, *, corrupt: bool = True) -> int:
+        """Commit verified promotions; the run ends at the first one that failed. Returns its length.
+
+        ``corrupt``: the failed blocks failed verification and are dropped from the disk tier;
+        False when the whole read failed (an I/O fault), which says nothing about the data.
+        """
+        job = plan.promote
+        ok = np.asarray(ok, dtype=bool)
+        self.disk.unpin(job.disk_slots)
+        good, bad = job.cpu_slots[ok], job.cpu_slots[~ok]
+        self.cpu.commit(good)
+        self.cpu.pin(good)
+        plan.pinned = np.concatenate([plan.pinned, good])
+        self.cpu.abort(bad)
+        if ok.all():
+            return len(plan)
+        if not corrupt:
+            return int(job.positions[np.argmax(~ok)])
+        bad_disk = job.disk_slots[~ok]
+        droppable = bad_disk[(self.disk.pins[bad_disk] == 0) & (self.disk.state[bad_disk] == READY)]
+        if len(droppable):
+            self._event("dropped", "disk", self.disk.keys.slot_keys[droppable])
+            self.disk.drop(droppable)
+            self.disk_invalidate.append(droppable)
+        return int(job.positions[np.argmax(~ok)])
+
+    def complete_load(self, plan: LoadPlan, loaded: int) -> None:
+        """Release the plan's pins; the loaded run is touched last block first."""
+        self.cpu.unpin(plan.pinned)
+        plan.pinned = EMPTY
+        self.cpu.touch(plan.cpu_slots[:loaded][::-1])
+
+    def abort_load(self, plan: LoadPlan) -> None:
+        """Undo a plan whose promotion never ran (the mover refused it before any read)."""
+        if plan.promote is not None:
+            self.disk.unpin(plan.promote.disk_slots)
+            self.cpu.abort(plan.promote.cpu_slots)
+        self.cpu.unpin(plan.pinned)
+        plan.pinned = EMPTY
+
+    # -- events ----------------------------------------------------------------------
+    def _event(self, kind: str, tier: str, rows: np.ndarray) -> None:
+        if len(rows):
+            self._events.append((kind, tier, np.array(rows, copy=True)))
+            if self._on_event is not None:
+                self._on_event(kind, tier, len(rows))
+
+    def take_events(self) -> list[tuple[str, str, list[bytes]]]:
+        """(kind, tier, keys) since the last call, oldest first; kinds: stored, evicted, spilled, dropped."""
+        out = [(kind, tier, [bytes(r) for r in rows]) for kind, tier, rows in self._events]
+        self._events.clear()
+        return out
+
+    def check_invariants(self) -> None:
+        self.cpu.check_invariants()
+        if self.disk is not None:
+            self.disk.check_invariants()

@@ -1,0 +1,95 @@
+"""What the tier manager hands the mover: batches of slots and ids, never an object per block."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .tier_index import EMPTY
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """Leading run of resident keys, split by tier.
+
+    ``in_flight`` is True when the run stopped at a key whose store, spill or
+    promotion is still in flight: not a hit yet, but not worth recomputing either.
+    """
+
+    total: int = 0
+    cpu: int = 0
+    disk: int = 0
+    in_flight: bool = False
+
+
+@dataclass
+class SpillJob:
+    """CPU -> disk: ``keys`` (rows ``[n, key_bytes]``) from ``cpu_slots`` into reserved ``disk_slots``.
+
+    ``reuse`` is True for eviction spills: the CPU slots already belong to new
+    keys, whose copy must wait until this job has read them. Write-through
+    spills (``reuse`` False) hold a pin on their CPU slots instead.
+    """
+
+    keys: np.ndarray
+    cpu_slots: np.ndarray
+    disk_slots: np.ndarray
+    reuse: bool
+
+    def __len__(self) -> int:
+        return len(self.cpu_slots)
+
+
+@dataclass
+class StorePlan:
+    """GPU -> CPU for the new keys of a store call, after ``spill`` (if any) has read the reused slots."""
+
+    keys: list[bytes]  # every key of the call, for the touch order at completion
+    new_keys: list[bytes]  # the keys that get copied, in call order
+    gpu_ids: np.ndarray  # their GPU blocks
+    cpu_slots: np.ndarray  # their reserved CPU slots
+    spill: SpillJob | None = None
+    deduped: int = 0  # already resident (or repeated in the call): touched, not copied
+    in_flight: int = 0  # another store or promotion of the key is in flight
+    unplaced_idx: np.ndarray = field(default_factory=lambda: EMPTY)  # call positions of new keys with no slot
+
+    @property
+    def unplaced(self) -> int:
+        """New keys no slot could be found for (everything else pinned or in flight): the trailing ones."""
+        return len(self.unplaced_idx)
+
+
+@dataclass
+class PromoteJob:
+    """disk -> CPU: verified reads of ``keys`` from ``disk_slots`` (pinned) into reserved ``cpu_slots``."""
+
+    keys: np.ndarray
+    disk_slots: np.ndarray
+    cpu_slots: np.ndarray
+    positions: np.ndarray  # index of each promoted key within the load plan's run
+
+    def __len__(self) -> int:
+        return len(self.cpu_slots)
+
+
+@dataclass
+class LoadPlan:
+    """CPU -> GPU for a leading run of keys; disk hits are promoted into CPU slots first.
+
+    ``stop`` says why the run ended before the end of the call: "miss", "in_flight"
+    (a key is being stored or promoted by another call: wait for it and plan again
+    from ``len(cpu_slots)``), "room" (no CPU slot for the next disk hit: load this
+    chunk, then plan again), or "" (the run reached the end of the call).
+    """
+
+    cpu_slots: np.ndarray = field(default_factory=lambda: EMPTY)  # source slot per key of the run (pinned)
+    promote: PromoteJob | None = None
+    spill: SpillJob | None = None  # victims of the promotion's CPU slots, written first
+    stop: str = ""
+    n_cpu: int = 0  # run keys that were CPU hits
+    n_disk: int = 0  # run keys promoted from disk
+    pinned: np.ndarray = field(default_factory=lambda: EMPTY)  # CPU slots this plan holds a pin on
+
+    def __len__(self) -> int:
+        return len(self.cpu_slots)

@@ -1,0 +1,28 @@
+"""Handlers for GPU <-> CPU jobs: a thin layer over a copy engine (host threads or CUDA streams)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..transfer.base import CopyEngine
+from .mover import CopyJob
+
+
+def store_handler(engine: CopyEngine):
+    """GPU blocks -> CPU slots; the engine resolves the batch only once every byte has landed."""
+
+    async def run(job: CopyJob) -> np.ndarray:
+        await engine.submit_store(job.src_ids, job.dst_ids)
+        return np.ones(len(job), dtype=bool)
+
+    return run
+
+
+def load_handler(engine: CopyEngine):
+    """CPU slots -> GPU blocks."""
+
+    async def run(job: CopyJob) -> np.ndarray:
+        await engine.submit_load(job.src_ids, job.dst_ids)
+        return np.ones(len(job), dtype=bool)
+
+    return run

@@ -1,0 +1,164 @@
+"""The disk tier's journal: commit/invalidate records that make restart recovery a bulk parse.
+
+See format.py for the record layout, recovery.py for how a journal is replayed, and store.py for the
+write protocol that orders invalidate -> data -> commit. A batch of blocks costs two appends: one for its
+invalidations (plus whatever ``invalidate_many`` queued), one for its commits, each one pwrite.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from collections import deque
+
+import numpy as np
+
+from tiered_kv.errors import DiskError
+
+from .files import open_private, pwritev_all, replace_file
+from .format import JCOMMIT, JINVALIDATE, JOURNAL_FILE, JREC_SIZE, encode_journal, encode_records
+from .recovery import READ_CHUNK, empty_replay, replay_journal
+
+log = logging.getLogger("tiered_kv.disk")
+
+
+def journal_limit(num_slots: int, floor: int) -> int:
+    """The most bytes the journal may hold: compaction keeps it near 2 records per live slot, so 4 per
+    slot (or ``floor``) is only reached when compaction keeps failing; then writes stop instead."""
+    return max(floor, 4 * num_slots * JREC_SIZE)
+
+
+class Journal:
+    """journal.tkv plus an in-memory mirror of its committed slots (key, seq, checksum).
+
+    Called only from the store's executor threads, which hold ``lock``; ``queue_invalidate`` alone is
+    lock-free (one deque append per batch of slots) so the event loop never waits. Records are written with pwrite at our own
+    offset, not O_APPEND: a failed append is cut off and overwritten by the next, so records stay aligned
+    even after ENOSPC. Compaction rewrites the journal from the mirror (temp file, fsync, os.replace, fsync
+    of the directory). It runs under ``lock`` after a batch's commits, which is a safe point even while
+    other batches are between their invalidations and their commits: the mirror is exactly the net effect
+    of the records written so far, and those batches' later records land in the new file.
+    """
+
+    def __init__(self, dirpath: str, key_bytes: int, num_slots: int, *, fsync: bool, compact_slack: int,
+                 limit: int) -> None:
+        self.dir, self.kb, self.fsync, self.compact_slack, self.limit = dirpath, key_bytes, fsync, compact_slack, limit
+        self.path = os.path.join(dirpath, JOURNAL_FILE)
+        self.read_chunk = READ_CHUNK
+        self.lock = threading.Lock()
+        self.fd = self.dir_fd = -1
+        self.size = self.records = self.nlive = self.max_seq = self.retry_at = 0
+        self.appends = 0  # record writes (one per batch of invalidations or commits): for tests and benches
+        self.pending: deque[np.ndarray] = deque()  # slot arrays queued by invalidate_many
+        self.num_slots = num_slots
+        empty = empty_replay(0, key_bytes)  # the per-slot mirror comes from load()
+        self.live, self.keys, self.seqs, self.psums = empty.live, empty.keys, empty.seqs, empty.psums
+        self.issues: dict[str, tuple[int, str]] = {}  # cause -> (blocks dropped by recovery, detail)
+
+    def load(self, dir_fd: int) -> tuple[list[bytes], list[int], list[int]]:
+        """Recover (keys, slots, seqs) of committed slots < num_slots, oldest first; compact when untidy."""
+        self.dir_fd = dir_fd
+        try:
+            os.unlink(JOURNAL_FILE + ".tmp", dir_fd=dir_fd)  # a compaction killed midway
+        except FileNotFoundError:
+            pass
+        self.fd = open_private(JOURNAL_FILE, dir_fd=dir_fd, path=self.path)
+        r = replay_journal(self.fd, self.kb, self.num_slots, chunk=self.read_chunk)
+        self.live, self.keys, self.seqs, self.psums = r.live, r.keys, r.seqs, r.psums
+        self.nlive, self.max_seq, self.records, self.size = int(r.live.sum()), r.max_seq, r.records, r.size
+        if r.bad_seq:
+            self.issues["journal_bad_seq"] = (r.bad_seq, "checksum-valid journal records with seq >= 2**63, "
+                                              "treated as corrupt and skipped")
+        if r.duplicates:
+            self.issues["journal_duplicate_key"] = (r.duplicates, "a key committed in two slots; the higher "
+                                                    "seq kept, the other slot freed")
+        if r.torn_bytes:  # cut the torn tail so the next append lands on a record boundary
+            os.ftruncate(self.fd, self.size)
+        if not r.header_ok:
+            self._compact()  # a journal we cannot append to: rewrite it or fail the open
+        elif r.untidy or self._too_big():
+            self._try_compact()
+        slots = r.live_slots()
+        kbytes, kb = self.keys[slots].tobytes(), self.kb
+        keys = [kbytes[i : i + kb] for i in range(0, len(kbytes), kb)]
+        return keys, slots.tolist(), self.seqs[slots].tolist()
+
+    def queue_invalidate(self, slots: np.ndarray) -> None:
+        self.pending.append(slots)
+
+    def before_write(self, slots: np.ndarray, seq: int) -> None:
+        """Journal queued invalidations and those of ``slots`` that hold commits, in one append, before
+        their bytes change."""
+        with self.lock:
+            queued = [self.pending.popleft() for _ in range(len(self.pending))]
+            todo = np.unique(np.concatenate([*queued, slots]).astype(np.int64)) if queued else slots
+            todo = todo[self.live[todo]]  # only commits need a record
+            if not len(todo):
+                return
+            try:
+                self._append(encode_records(JINVALIDATE, todo, seq))
+            except OSError:
+                self.pending.append(todo)  # retried at the next journal write
+                raise
+            self.live[todo] = False
+            self.nlive -= len(todo)
+
+    def commit(self, slots: np.ndarray, seqs: np.ndarray, keys: np.ndarray, psums: np.ndarray) -> None:
+        """Journal the commits of distinct ``slots`` (keys: uint8 [n, key_bytes]) in one append, once
+        their bytes are written."""
+        with self.lock:
+            self._append(encode_records(JCOMMIT, slots, seqs, psums, keys))
+            self.nlive += int(np.count_nonzero(~self.live[slots]))
+            self.live[slots], self.seqs[slots], self.psums[slots], self.keys[slots] = True, seqs, psums, keys
+            if self._too_big():
+                self._try_compact()
+
+    def close(self) -> None:
+        with self.lock:
+            fd, self.fd = self.fd, -1
+            if fd >= 0:
+                os.close(fd)
+
+    def _too_big(self) -> bool:
+        return self.records > max(2 * self.nlive + self.compact_slack, self.retry_at) or self.size > self.limit
+
+    def _try_compact(self) -> None:
+        """Compaction is housekeeping: if it fails (a full disk), keep appending and retry much later."""
+        try:
+            self._compact()
+        except OSError as e:
+            self.retry_at = 2 * self.records
+            log.warning("disk tier: journal compaction in %s failed (%s); will retry later", self.dir, e)
+
+    def _append(self, data: bytes) -> None:
+        if self.size + len(data) > self.limit:
+            try:  # at the bound compaction is no longer optional: without it the journal grows forever
+                self._compact()
+            except OSError as e:
+                raise DiskError(e.errno or errno.EIO, f"journal reached its bound of {self.limit} bytes and "
+                                f"cannot be compacted: {e.strerror or e}", self.path) from e
+        try:
+            self.appends += 1
+            pwritev_all(self.fd, [data], self.size, len(data))
+            if self.fsync:
+                os.fdatasync(self.fd)
+        except OSError:
+            try:
+                os.ftruncate(self.fd, self.size)
+            except OSError:
+                pass
+            raise
+        self.size += len(data)
+        self.records += len(data) // JREC_SIZE
+
+    def _compact(self) -> None:
+        live = np.flatnonzero(self.live)
+        live = live[np.argsort(self.seqs[live], kind="stable")]
+        blob = encode_journal(self.kb, live, self.seqs[live], self.psums[live], self.keys[live])
+        fd = replace_file(self.dir_fd, self.dir, JOURNAL_FILE, blob, fsync=True)  # rare: always durable
+        old, self.fd = self.fd, fd
+        if old >= 0:
+            os.close(old)
+        self.size, self.records = len(blob), len(live)
