@@ -18,15 +18,16 @@ $(PY):
 # pulls a multi-GB CUDA build; skipped when the venv already imports a torch.
 $(STAMP): pyproject.toml | $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,cli,replay,bench]"
 	@touch $(STAMP)
 
 run: $(STAMP)
 	$(VENV)/bin/tiered-kv replay --config $(CONFIG)
 
+# Every test, the slow ones included (plain `pytest` skips those: see pyproject.toml).
 test: $(STAMP)
 	$(VENV)/bin/ruff check tiered_kv tests
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "slow or not slow"
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests

@@ -49,9 +49,15 @@ def plan(cfg: Config, layout: KVLayout | None = None) -> dict[str, Any]:
 
 
 def render_plan(result: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # the core install has no rich (extra `cli`): plain text
+        print(f"{result['model_id']} ({result['dtype']}): bytes_per_block = {result['bytes_per_block']} "
+              f"({result['regions']} regions, {result['block_tokens']} tokens/block, layout {result['layout_digest']})")
+        for t in result["tiers"]:
+            print(f"{t['tier']:5} {format_size(t['capacity_bytes']):>12} {t['slots']:>12,} slots {t['tokens']:>14,} tokens")
+        return
     console = Console()
     console.print(
         f"[bold]{result['model_id']}[/] ({result['dtype']}): bytes_per_block = [bold]{result['bytes_per_block']}[/] "

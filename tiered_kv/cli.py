@@ -78,12 +78,19 @@ def cmd_disk(args: argparse.Namespace) -> int:
 
 
 def _render_namespaces(rows: list[dict[str, Any]]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
-
     from .sizes import format_size
     from .tiers.disk.admin import display_text
+
+    try:
+        from rich.console import Console
+        from rich.table import Table
+        from rich.text import Text
+    except ImportError:  # the core install has no rich (extra `cli`): one escaped line per namespace
+        for r in rows:
+            fields = [r["dirname"], *(str(r.get(f, "")) for f in ("model_id", "revision", "shard", "dtype",
+                                                                 "layout_digest", "problem"))]  # fmt: skip
+            print("  ".join(display_text(f) for f in fields if f))
+        return
 
     def cell(value: object) -> Text:  # Text, not str: rich would read "[red]" in a model id as markup
         return Text(display_text(value))

@@ -50,6 +50,12 @@ MAX_GPU_BLOCKS = 2**31
 MIN_REPLAY_BLOCK_BYTES = 512  # below this the replay's slot counts explode (64MiB / 1 B = 67M slots)
 
 
+# The closed sets of names; code elsewhere reads them from here (typing.get_args), never a copy.
+PolicyName = Literal["lru", "arc"]
+EngineKind = Literal["auto", "host", "cuda"]
+KeyHash = Literal["sha256", "xxh3_128"]
+
+
 class _Section(BaseModel):
     # strict: a YAML string "8" is not silently an int; forbid: typos are errors.
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
@@ -157,16 +163,16 @@ class TiersConfig(_Section):
 
 
 class EvictionConfig(_Section):
-    policy: Literal["lru", "arc"] = "lru"
+    policy: PolicyName = "lru"
 
 
 class TransferConfig(_Section):
-    engine: Literal["auto", "host", "cuda"] = "auto"
+    engine: EngineKind = "auto"
     max_inflight_bytes: ByteSize = parse_size("256MiB")
 
 
 class KeysConfig(_Section):
-    hash: Literal["sha256", "xxh3_128"] = "sha256"
+    hash: KeyHash = "sha256"
     tenant_salt: str = Field("", max_length=4096)
 
 

@@ -26,6 +26,10 @@ class BlockIdError(TieredKVError, ValueError):
     """Raised when GPU block ids are not distinct ints in ``[0, num_blocks)``, or do not match the keys."""
 
 
+class SlotError(TieredKVError, ValueError):
+    """Raised when slot ids given to an index or policy are out of range, repeated, or in the wrong state."""
+
+
 class TransferError(TieredKVError):
     """Raised when a copy between GPU and CPU fails."""
 

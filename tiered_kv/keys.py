@@ -19,13 +19,15 @@ import hashlib
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import get_args
 
 import numpy as np
 import xxhash
 
+from .config import KeyHash
 from .errors import ConfigError, KeyFormatError
 
-HASHES = ("sha256", "xxh3_128")
+HASHES: tuple[str, ...] = get_args(KeyHash)
 
 
 @dataclass(frozen=True)

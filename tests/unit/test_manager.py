@@ -78,7 +78,7 @@ def test_full_cpu_tier_without_disk_evicts_tails_first():
     assert plan.spill is None and len(plan.cpu_slots) == 2
     assert m.lookup(a).total == 2  # a's tail (a[2], a[3]) went, its head stays
     evicted = [k for kind, tier, k in m.take_events() if kind == "evicted"]
-    assert evicted == [[a[3], a[2]]]
+    assert len(evicted) == 1 and set(evicted[0]) == {a[2], a[3]}
     m.check_invariants()
 
 
@@ -92,7 +92,7 @@ def test_dirty_victims_are_spilled_before_their_slots_are_reused():
     # until the spill lands the victims are nowhere: in flight, not hits
     assert m.lookup(a).total == 1 and m.lookup(a[1:]).in_flight
     assert set(map(bytes, spill.keys)) == set(a[1:])
-    m.complete_spill(spill, np.array([True, True, False]))
+    m.complete_spill(spill, np.array([bytes(k) != a[1] for k in spill.keys]))  # a[1]'s write fails
     m.complete_store(plan, True)
     res = m.lookup(a)
     assert (res.total, res.cpu) == (1, 1)  # a[1] was lost by the failed write

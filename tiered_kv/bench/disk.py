@@ -174,8 +174,8 @@ def _took(cache, direction: str, before: tuple[float, float], nbytes: int) -> fl
 def bench_disk_store(directory: str, *, quick: bool) -> dict:
     """The DiskStore alone (no cache, no mover) vs the same syscalls, and restart recovery: the disk tier's
     own bench, run here so one `tiered-kv bench` shows where the cache-level figures lose their time."""
-    from ..bench_disk import bench_disk as store_bench
-    from ..bench_disk import bench_recovery
+    from .disk_store import bench_disk as store_bench
+    from .disk_store import bench_recovery
 
     if quick:
         store = store_bench(directory, block_sizes=(64 << 10,), blocks_per_size=16, cold=False)

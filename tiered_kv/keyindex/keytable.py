@@ -11,11 +11,10 @@ Nothing here is a Python object per key. The state is five arrays:
 Hash: ``m = ((first 8 key bytes, little-endian) ^ s1) * s2 mod 2**64`` with per-instance secrets from
 os.urandom (s2 odd), never Python's hash(): callers can craft keys, but not against an unknown secret.
 The bucket is the high 32 bits of ``m`` scaled to ``nb`` (multiply-shift, so ``nb`` need not be a
-power of two and memory follows ``num_slots``); the tag is bits 16..31 of ``m``. Keys that share their
-first 8 bytes share bucket and tag: they still work, through the per-key probe, just slower.
-
-Probing is linear over buckets of 16 entries, with 3 entries per slot, so even keys inserted into
-a full table leave their home bucket only about once in 10,000.
+power of two and memory follows ``num_slots``); the tag is bits 16..31 of ``m``. Probing is linear
+over buckets of 16 entries, 3 entries per slot: even keys inserted into a full table leave their home
+bucket only about once in 10,000. Keys that share their first 8 bytes share bucket and tag: they
+still work, through the exact probe, just slower.
 
 Deletion uses neither tombstones nor backward shift: each bucket counts the resident keys that were
 placed beyond it (an overflow count, as in Folly's F14). A search stops at the first bucket whose
@@ -24,9 +23,7 @@ nothing behind, the table never degrades under churn, and no rebuild is ever nee
 
 Lookup is one vectorized pass: gather each key's home bucket, take the lane whose tag matches, and
 verify every candidate's full key with one bytes comparison. Only keys that fail it (a displaced key,
-a tag collision, a miss in an overflowed bucket) take the per-key probe.
-
-Like the rest of the bookkeeping, a KeyTable has one owner on one thread and takes no locks.
+a tag collision, a miss in an overflowed bucket) take the exact probe. One owner, one thread, no locks.
 """
 
 from __future__ import annotations
@@ -183,11 +180,9 @@ class KeyTable:
         maybe = look.w.any() or self._ovf.take(look.b).any()
         found = self._found(joined, look) if maybe else look.cand
         if maybe and found.max() >= 0:
-            i = int(np.argmax(found >= 0))
-            raise TieredKVError(
-                f"insert of key {joined[i * self.key_bytes : (i + 1) * self.key_bytes].hex()} into slot {int(slots[i])}: "
-                f"the key is already in slot {int(found[i])}"
-            )
+            i, kb = int(np.argmax(found >= 0)), self.key_bytes
+            key, s, at = joined[i * kb : (i + 1) * kb].hex(), int(slots[i]), int(found[i])
+            raise TieredKVError(f"insert of key {key} into slot {s}: the key is already in slot {at}")
         self._check_distinct_keys(joined, look.k0, slots)
         self.slot_keys[slots] = np.frombuffer(joined, dtype=np.uint8).reshape(n, self.key_bytes)
         self._place(look.b, look.tag, slots)
@@ -202,12 +197,7 @@ class KeyTable:
         slots = self._require_held(slots, "remove")
         entry = self._pos[slots].astype(np.int64)
         home = self._bucket(self._mix(self._k0[slots])).view(np.int64)
-        dist = (entry // LANES - home) % self._nb
-        if dist.any():  # undo the overflow counts on each displaced key's path
-            moved = dist.nonzero()[0]
-            d, h = dist[moved], home[moved]
-            ramp = np.arange(int(d.sum())) - np.repeat(np.cumsum(d) - d, d)
-            np.subtract.at(self._ovf, (np.repeat(h, d) + ramp) % self._nb, 1)
+        np.subtract.at(self._ovf, self._passed(home, entry), 1)  # undo the displaced keys' counts
         self._tags_flat[entry] = 0
         self._slots_flat[entry] = -1
         self._pos[slots] = -1
@@ -231,11 +221,7 @@ class KeyTable:
         m = self._mix(self._k0[slots])
         if np.any(self._tags_flat[occupied] != m.view(np.uint16)[1::4]):
             raise TieredKVError("KeyTable has an entry whose tag is not its key's")
-        home = self._bucket(m).view(np.int64)
-        dist = (occupied // LANES - home) % self._nb
-        ovf = np.zeros(self._nb, dtype=np.int64)
-        for h, d in zip(home[dist > 0].tolist(), dist[dist > 0].tolist(), strict=True):
-            ovf[(h + np.arange(d)) % self._nb] += 1
+        ovf = np.bincount(self._passed(self._bucket(m).view(np.int64), occupied), minlength=self._nb)
         if np.any(ovf != self._ovf):
             b = int(np.argmax(ovf != self._ovf))
             raise TieredKVError(f"KeyTable bucket {b}: overflow count {self._ovf[b]}, recomputed {ovf[b]}")
@@ -250,6 +236,13 @@ class KeyTable:
 
     def _bucket(self, m: np.ndarray) -> np.ndarray:
         return ((m >> _U32) * np.uint64(self._nb)) >> _U32
+
+    def _passed(self, home: np.ndarray, entry: np.ndarray) -> np.ndarray:
+        """Buckets each key passed over between its home and its entry's bucket, all concatenated."""
+        dist = (entry // LANES - home) % self._nb
+        d, h = dist[dist > 0], home[dist > 0]
+        ramp = np.arange(int(d.sum())) - np.repeat(np.cumsum(d) - d, d)
+        return (np.repeat(h, d) + ramp) % self._nb
 
     def _lookup(self, joined: bytes, n: int) -> _Lookup:
         """One vectorized pass: home bucket, tag, and the slot in the lane whose tag matches."""

@@ -132,7 +132,8 @@ class TierManager:
         spill = None
         short = len(new_idx) - len(slots)
         if short:
-            victims = self.cpu.evict(min(short, self.cpu.evictable))
+            # Sorted, so the new keys get runs of consecutive slots (one copy per run).
+            victims = np.sort(self.cpu.evict(min(short, self.cpu.evictable)))
             if len(victims):
                 spill = self._spill_or_drop(victims)
                 self.cpu.reassign(victims, rows[new_idx[len(slots) : len(slots) + len(victims)]])
@@ -207,7 +208,7 @@ class TierManager:
         slots = disk.reserve(rows)
         short = len(rows) - len(slots)
         if short:
-            victims = disk.evict(min(short, disk.evictable))
+            victims = np.sort(disk.evict(min(short, disk.evictable)))
             if len(victims):
                 self._event("evicted", "disk", disk.keys.slot_keys[victims])
                 disk.reassign(victims, rows[len(slots) : len(slots) + len(victims)])
@@ -263,7 +264,7 @@ class TierManager:
             slots = self.cpu.reserve(prows)
             short = want - len(slots)
             if short:
-                victims = self.cpu.evict(min(short, self.cpu.evictable))
+                victims = np.sort(self.cpu.evict(min(short, self.cpu.evictable)))
                 if len(victims):
                     spill = self._spill_or_drop(victims)
                     self.cpu.reassign(victims, prows[len(slots) : len(slots) + len(victims)])

@@ -29,6 +29,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from ..errors import SlotError
 from .base import (
     EMPTY,
     UNTRACKED,
@@ -104,7 +105,7 @@ class ARCPolicy(EvictionPolicy):
             return slots.astype(np.uint64)
         tags = np.asarray(self._key_tag(slots))
         if tags.shape != slots.shape or tags.dtype.kind not in "iu":
-            raise ValueError(f"key_tag returned {tags.dtype} {tags.shape} for {slots.size} slots")
+            raise SlotError(f"key_tag returned {tags.dtype} {tags.shape} for {slots.size} slots")
         # The table reserves the all-ones tag for "unused": fold it onto its neighbour.
         return np.minimum(tags.astype(np.uint64, copy=False), NO_KEY - 1)
 

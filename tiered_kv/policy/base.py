@@ -16,6 +16,8 @@ from typing import ClassVar
 
 import numpy as np
 
+from ..errors import SlotError
+
 # Stamps and table values are int32 below this (2**31 blocks of 16 KiB = 32 TiB per tier).
 MAX_SLOTS = 2**31 - 1
 EMPTY = np.zeros(0, dtype=np.int64)
@@ -80,15 +82,15 @@ class EvictionPolicy(ABC):
 
 def check_num_slots(num_slots: int) -> int:
     if not isinstance(num_slots, int) or isinstance(num_slots, bool) or not 0 <= num_slots <= MAX_SLOTS:
-        raise ValueError(f"num_slots must be an int in 0..{MAX_SLOTS}, got {num_slots!r}")
+        raise SlotError(f"num_slots must be an int in 0..{MAX_SLOTS}, got {num_slots!r}")
     return num_slots
 
 
 def check_evict_n(n: int) -> int:
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
-        raise ValueError(f"evict(n): n must be an int, got {n!r}")
+        raise SlotError(f"evict(n): n must be an int, got {n!r}")
     if n < 0:
-        raise ValueError(f"evict(n): n must be >= 0, got {n}")
+        raise SlotError(f"evict(n): n must be >= 0, got {n}")
     return int(n)
 
 
@@ -103,22 +105,22 @@ def as_slots(slots: object, num_slots: int) -> np.ndarray:
     if arr.ndim == 0:
         arr = arr.reshape(1)
     elif arr.ndim != 1:
-        raise ValueError(f"slots must be a 1-D array, got shape {arr.shape}")
+        raise SlotError(f"slots must be a 1-D array, got shape {arr.shape}")
     if arr.dtype != np.int64:
         if arr.size and arr.dtype.kind not in "iu":
-            raise ValueError(f"slots must be integers, got dtype {arr.dtype}")
+            raise SlotError(f"slots must be integers, got dtype {arr.dtype}")
         arr = arr.astype(np.int64)
     # One reduction catches both ends: a negative id is huge as uint64.
     if arr.size and np.maximum.reduce(arr.view(np.uint64)) >= num_slots:
         bad = int(arr[(arr < 0) | (arr >= num_slots)][0])
-        raise ValueError(f"slot {bad} out of range for a policy of {num_slots} slots")
+        raise SlotError(f"slot {bad} out of range for a policy of {num_slots} slots")
     return arr
 
 
 def check_pins(pins: object, num_slots: int) -> np.ndarray:
     if not isinstance(pins, np.ndarray) or pins.shape != (num_slots,):
         shape = getattr(pins, "shape", type(pins).__name__)
-        raise ValueError(f"pins must be an array of {num_slots} pin counts (one per slot), got {shape}")
+        raise SlotError(f"pins must be an array of {num_slots} pin counts (one per slot), got {shape}")
     return pins
 
 
@@ -133,7 +135,7 @@ def check_untracked(stamp: np.ndarray, slots: np.ndarray, policy: str) -> None:
     """ValueError unless every slot is untracked (stamp -1; tracked stamps are >= 0)."""
     if slots.size and np.maximum.reduce(stamp[slots]) != UNTRACKED:
         bad = int(slots[stamp[slots] != UNTRACKED][0])
-        raise ValueError(f"slot {bad} is already tracked by the {policy} policy")
+        raise SlotError(f"slot {bad} is already tracked by the {policy} policy")
 
 
 def repeated_slot(slots: np.ndarray) -> ValueError:

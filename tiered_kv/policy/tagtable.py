@@ -57,10 +57,10 @@ class TagTable:
 
     def _probe(self, b: np.ndarray, tags: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Column of each tag in bucket ``b`` (-1 if not there), and whether to go on to the next bucket."""
-        match = self._keys[b] == tags[:, None]
+        match = self._keys.take(b, axis=0) == tags[:, None]  # take: faster than fancy indexing
         hit = match.view(np.uint64)[:, 0] != 0  # a row of 8 bools read as one uint64
         col = np.where(hit, match.argmax(axis=1), -1)
-        return col, self._spilled[b] > hit
+        return col, self._spilled.take(b) > hit
 
     def locate(self, tags: np.ndarray) -> np.ndarray:
         """The entry (a flat index, stable until a rebuild) holding each tag; -1 where absent."""
@@ -122,7 +122,7 @@ class TagTable:
         """Put ``tags[i]`` in the first free entry from bucket ``b[i]`` on; its entry goes to ``out[ix[i]]``."""
         keys, table, spilled = self._keys, self._vals, self._spilled
         while tags.size:
-            free = keys[b] == NO_KEY
+            free = keys.take(b, axis=0) == NO_KEY
             has = free.view(np.uint64)[:, 0] != 0
             if not has.all():  # full buckets: flag them, try the next one next round
                 rest = ~has

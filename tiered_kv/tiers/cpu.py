@@ -125,7 +125,10 @@ def _log_unpinned_once() -> None:
 
 
 def _progress(total: int):
-    from rich.progress import Progress
+    try:
+        from rich.progress import Progress
+    except ImportError:  # the core install has no rich: no progress bar
+        return None
 
     bar = Progress(transient=True)
     task = bar.add_task("pinning CPU tier", total=total)

@@ -7,15 +7,17 @@ when the GPU regions live on CUDA, else the host (CPU thread) engine.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import get_args
 
 import torch
 
+from tiered_kv.config import EngineKind
 from tiered_kv.errors import ConfigError
 from tiered_kv.transfer.base import CopyEngine, CopyHandle, Direction, validate_regions
 from tiered_kv.transfer.cuda import CUDAStreamEngine
 from tiered_kv.transfer.host import HostCopyEngine
 
-ENGINE_KINDS = ("auto", "host", "cuda")
+ENGINE_KINDS: tuple[str, ...] = get_args(EngineKind)
 
 __all__ = [
     "ENGINE_KINDS",
