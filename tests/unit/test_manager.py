@@ -212,3 +212,20 @@ def test_random_operations_keep_the_invariants(seed):
         m.complete_load(plan, n)
     m.check_invariants()
     assert np.all(m.cpu.pins == 0)
+
+
+def test_a_promotion_never_reads_a_disk_slot_its_own_spill_overwrites():
+    """The CPU victims of a promotion spill to disk; the disk must not evict the blocks being promoted."""
+    m = TierManager(2, 4, KB)
+    a, b = keys("a", 2), keys("b", 2)
+    store(m, a)
+    store(m, b)  # a -> disk (slots 0, 1 of 4)
+    store(m, keys("c", 2))  # b -> disk: the disk is full of a and b
+    assert m.lookup(a).disk == 2 and m.disk.free_count == 0
+    plan = m.prepare_load(a, 2)  # needs both CPU slots: c spills, and the disk must evict b, not a
+    assert plan.spill is not None and plan.promote is not None
+    assert not set(plan.spill.disk_slots) & set(plan.promote.disk_slots)
+    m.complete_spill(plan.spill, np.ones(len(plan.spill), dtype=bool))
+    assert m.complete_promote(plan, np.ones(len(plan.promote), dtype=bool)) == 2
+    m.complete_load(plan, 2)
+    m.check_invariants()

@@ -261,6 +261,10 @@ class TierManager:
         got = 0
         if want:
             prows = rows[dpos[:want]]
+            # Pinned first: spilling the CPU victims below must not evict (and overwrite) the
+            # very disk blocks this chunk is about to read.
+            want_dslots = d_s[dpos[:want]]
+            self.disk.pin(want_dslots)
             slots = self.cpu.reserve(prows)
             short = want - len(slots)
             if short:
@@ -270,9 +274,9 @@ class TierManager:
                     self.cpu.reassign(victims, prows[len(slots) : len(slots) + len(victims)])
                     slots = np.concatenate([slots, victims])
             got = len(slots)
+            self.disk.unpin(want_dslots[got:])
             if got:
-                dslots = d_s[dpos[:got]]
-                self.disk.pin(dslots)
+                dslots = want_dslots[:got]
                 src[dpos[:got]] = slots
                 promote = PromoteJob(prows[:got], dslots, slots, dpos[:got])
         if got < len(dpos):  # the next disk hit has no CPU slot yet: this chunk ends before it
