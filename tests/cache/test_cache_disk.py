@@ -173,3 +173,52 @@ async def test_a_failed_read_is_a_miss_that_keeps_the_disk_blocks(tmp_path, devi
         assert cache.lookup(keys[:8]).disk == 8, "a failed read dropped disk blocks it never verified"
         await assert_loads_exact(cache, kv, keys)
         cache.check_invariants()
+
+
+async def test_concurrent_loads_of_one_disk_prefix_share_the_promotion(tmp_path, device):
+    """After a restart, 4 concurrent loads of a 3-block disk prefix all get 3 (it was [3, 0, 0, 0])."""
+    kv = make_kv(64, device)
+    cfg = config(tmp_path, cpu_blocks=8, disk_blocks=32, spill="write_through")
+    async with cache_for(kv, cfg) as cache:
+        keys = cache.keyer.keys_for_block_ids(range(3))
+        await store_all(cache, kv, keys)
+    async with cache_for(kv, cfg) as cache:
+        assert cache.lookup(keys).disk == 3
+        targets = [[10, 11, 12], [20, 21, 22], [30, 31, 32], [40, 41, 42]]
+        got = await asyncio.gather(*(cache.load(keys, t) for t in targets))
+        assert got == [3, 3, 3, 3]
+        assert all(holds(kv, t[i], keys[i]) for t in targets for i in range(3))
+        assert cache.stats()["metrics"]["tiered_kv_blocks_moved_total{disk_to_cpu}"] == 3  # read once
+        cache.check_invariants()
+
+
+async def test_a_disk_prefix_longer_than_the_cpu_tier_loads_whole(tmp_path, device):
+    """A 12-block prefix on disk with an 8-slot CPU tier loads all 12 (it used to stop at 8)."""
+    kv = make_kv(64, device)
+    async with cache_for(kv, config(tmp_path, cpu_blocks=8, disk_blocks=32)) as cache:
+        keys = cache.keyer.keys_for_block_ids(range(12))
+        other = cache.keyer.keys_for_block_ids(range(100, 108))
+        await store_all(cache, kv, keys)
+        for i, k in enumerate(other):
+            fill(kv, 20 + i, k)
+        await cache.store(other, list(range(20, 28)))  # pushes the whole prefix to disk
+        assert cache.lookup(keys).disk == 12
+        assert await cache.load(keys, list(range(40, 52))) == 12
+        assert all(holds(kv, 40 + i, k) for i, k in enumerate(keys))
+        cache.check_invariants()
+
+
+async def test_racing_stores_of_the_same_keys_count_in_flight_and_evict_once(tmp_path, device):
+    kv = make_kv(64, device)
+    async with cache_for(kv, config(tmp_path, cpu_blocks=4, disk_blocks=32)) as cache:
+        first = cache.keyer.keys_for_block_ids(range(4))
+        await store_all(cache, kv, first)
+        keys = cache.keyer.keys_for_block_ids(range(10, 15))
+        for i, k in enumerate(keys):
+            fill(kv, 10 + i, k)
+        a, b = await asyncio.gather(cache.store(keys, list(range(10, 15))), cache.store(keys, list(range(10, 15))))
+        # One store places 4 (the tier's size); the other counts those 4 in flight instead of
+        # storing them again, waits for room, then places the fifth. Each block moves once.
+        assert sorted([a.in_flight, b.in_flight]) == [0, 4] and a.stored + b.stored == 5
+        assert cache.stats()["metrics"]["tiered_kv_spills_total"] == 5  # 4 displaced blocks + 1, never 12
+        cache.check_invariants()
