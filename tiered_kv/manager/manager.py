@@ -158,7 +158,8 @@ class TierManager:
         self.cpu.commit(plan.cpu_slots[::-1])
         if len(plan.cpu_slots):
             self._event("stored", "cpu", self.cpu.keys.slot_keys[plan.cpu_slots])
-        self.touch(plan.keys)
+        if len(plan.cpu_slots) != len(plan.keys):  # else the commit above already set the prefix order
+            self.touch(plan.keys)
         if not (self.write_through and self.disk_writable and len(plan.cpu_slots)):
             return None
         return self._write_through_job(plan.cpu_slots)

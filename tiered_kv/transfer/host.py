@@ -8,8 +8,8 @@ region: a slice copy when the engine's block ids are consecutive too, else one
 one gather + scatter per region.
 
 Small batches run inline on the calling (event-loop) thread: a thread hand-off
-costs 50-100 us here, more than copying 1 MiB, and a memcpy of at most
-``inline_bytes`` holds the loop for well under a millisecond. Larger batches
+costs 50-300 us here (more under load), as much as copying 1-4 MiB, and a memcpy of at most
+``inline_bytes`` (4 MiB) holds the loop for about a millisecond at most. Larger batches
 go to one worker thread per direction. Either way a direction's batches finish
 in submission order: a batch runs inline only when its direction's worker is idle.
 """
@@ -29,7 +29,7 @@ from tiered_kv.transfer.base import CopyEngine, CopyHandle, Direction
 
 log = logging.getLogger(__name__)
 
-DEFAULT_INLINE_BYTES = 1 << 20
+DEFAULT_INLINE_BYTES = 1 << 22
 _MANY_RUNS = 8  # more runs than this (and than a quarter of the rows): one gather + scatter per region
 
 

@@ -1,0 +1,189 @@
+"""The worker's TieredKVCache, run on an event loop in a thread this plug-in owns.
+
+vLLM calls its connector synchronously from the engine's own thread. Every
+cache call is sent to the loop thread and waited for there, so the cache's
+bookkeeping stays single-threaded as the library requires, and a load or store
+has finished (or failed) before the connector returns to vLLM: the engine may
+reuse those GPU blocks the moment it gets control back.
+
+Residency lives here, in the worker. A scheduler in the same process (vLLM's
+in-process executor, one worker) finds this runtime through ``find_runtime``
+and asks it directly; see connector.py for what happens otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from collections import Counter
+from collections.abc import Coroutine, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ... import load_config
+from ...config import Config
+from ...errors import ConfigError
+from ...layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+_RUNTIMES: dict[str, CacheRuntime] = {}
+_RUNTIMES_LOCK = threading.Lock()
+
+CALL_TIMEOUT_S = 120.0  # a load or store that takes longer is a fault, reported as one
+
+
+def resolve_config(raw: Any, model_id: str, revision: str | None, bytes_per_block: int) -> Config:
+    """The tiered_kv config from ``kv_connector_extra_config['config']`` (a YAML path or a dict).
+
+    Where the config names no ``model.model_id``, vLLM's model (and revision)
+    fill it in, so the key namespace and the disk directory follow the model.
+    """
+    if isinstance(raw, (str, Path)):
+        path = Path(raw).expanduser()
+        try:
+            data = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"kv_connector_extra_config.config: cannot read {str(path)!r}: {exc}") from None
+    elif isinstance(raw, Mapping):
+        data = raw
+    else:
+        raise ConfigError(
+            f"kv_connector_extra_config.config must be a YAML path or a dict, got {type(raw).__name__}"
+        )
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"kv_connector_extra_config.config: the top level must be a mapping, got {data!r}")
+    data = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in data.items()}
+    model = data.setdefault("model", {})
+    if not isinstance(model, dict):
+        raise ConfigError(f"model: must be a mapping, got {model!r}")
+    if "model_id" not in model:
+        model["model_id"] = model_id
+        if revision and "revision" not in model:
+            model["revision"] = revision
+    if "bytes_per_block" not in model and not {"num_layers", "num_kv_heads", "head_dim"} & set(model):
+        model["bytes_per_block"] = bytes_per_block
+    return load_config(data)
+
+
+class CacheRuntime:
+    """One TieredKVCache plus the loop thread it lives on."""
+
+    def __init__(self, cfg: Config, layout: KVLayout, *, rank: int = 0, world_size: int = 1) -> None:
+        from ... import TieredKVCache
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tiered-kv-vllm", daemon=True)
+        self._thread.start()
+        self._closed = False
+        self.counters: Counter[str] = Counter()  # loaded / load_error / stored blocks, for stats and tests
+
+        async def build() -> Any:
+            cache = TieredKVCache(cfg, layout, rank=rank, world_size=world_size)
+            await cache.start()
+            return cache
+
+        try:
+            self.cache = self.call(build())
+        except BaseException:
+            self._stop_loop()
+            raise
+        self.keyer = self.cache.keyer
+        self.key = ""
+        self.stats_file: str | None = None  # kv_connector_extra_config.stats_file: final stats, written at close
+        _close_before_executors_exit(self)
+
+    # -- calls from vLLM's threads --------------------------------------------------------
+    def call(self, coro: Coroutine[Any, Any, Any], timeout: float = CALL_TIMEOUT_S) -> Any:
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return future.result(timeout)
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """Leading keys resident in some tier (being stored does not count); touches them."""
+
+        async def run() -> int:
+            hit = self.cache.lookup(keys).total
+            if hit:
+                self.cache.touch(list(keys[:hit]))  # make the promised blocks the last to go
+            return hit
+
+        return self.call(run()) if keys else 0
+
+    def load(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
+        return self.call(self.cache.load(list(keys), list(block_ids)))
+
+    def store(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> Any:
+        return self.call(self.cache.store(list(keys), list(block_ids)))
+
+    def stats(self) -> dict[str, Any]:
+        async def run() -> dict[str, Any]:
+            return self.cache.stats()
+
+        return self.call(run())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.stats_file:
+            self._write_stats(self.stats_file)
+        with _RUNTIMES_LOCK:
+            if _RUNTIMES.get(self.key) is self:
+                del _RUNTIMES[self.key]
+        try:
+            self.call(self.cache.aclose())
+        except Exception:  # closing must never take the engine down with it
+            log.exception("tiered_kv: closing the cache failed")
+        finally:
+            self._stop_loop()
+
+    def _write_stats(self, path: str) -> None:
+        try:
+            report = {"counters": dict(self.counters), "stats": self.stats()}
+            Path(path).write_text(json.dumps(report, default=str))
+        except Exception:  # a report is not worth failing a shutdown for
+            log.exception("tiered_kv: writing stats to %s failed", path)
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+
+def _close_before_executors_exit(runtime: CacheRuntime) -> None:
+    """Close (flushing the disk tier) before concurrent.futures stops its executors at exit.
+
+    vLLM may shut the connector down from a finalizer that runs after those
+    executors are gone; hooks registered here run before them (last registered,
+    first run), so a process that simply exits still leaves a flushed disk tier.
+    """
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # not CPython: the plain atexit hook is the best there is
+        import atexit
+
+        atexit.register(runtime.close)
+    else:
+        register(runtime.close)
+
+
+def publish_runtime(key: str, runtime: CacheRuntime) -> None:
+    """Make the worker's runtime visible to a scheduler-side connector in this process."""
+    runtime.key = key
+    with _RUNTIMES_LOCK:
+        _RUNTIMES[key] = runtime
+
+
+def find_runtime(key: str) -> CacheRuntime | None:
+    with _RUNTIMES_LOCK:
+        return _RUNTIMES.get(key)
+
+
+def all_runtimes() -> list[CacheRuntime]:
+    """Every live runtime in this process (tests and the bench read their stats)."""
+    with _RUNTIMES_LOCK:
+        return list(_RUNTIMES.values())
