@@ -19,22 +19,12 @@ import resource
 import torch
 
 from ..errors import ConfigError, PinningError
+from ..host_checks import mem_available
 from ..layout import KVLayout
 from ..sizes import format_size
 
 log = logging.getLogger(__name__)
 _warned_unpinned = False
-
-
-def mem_available() -> int | None:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 class CpuSlabs:
