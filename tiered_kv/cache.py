@@ -26,12 +26,11 @@ from .identity import disk_namespace, make_keyer
 from .ids import check_block_ids
 from .keys import check_keys
 from .layout import KVLayout
-from .lifecycle import Lifecycle, finish_uncancelled
+from .lifecycle import Lifecycle, wait_to_end
 from .manager import LoadPlan, LookupResult, SpillJob, StorePlan, TierManager
 from .metrics import CacheMetrics
 from .mover import CopyJob, DiskIO, Mover, load_handler, store_handler
 from .tiers.cpu import CpuSlabs
-from .tiers.disk import DiskStore
 from .transfer import CopyEngine, make_engine
 
 log = logging.getLogger(__name__)
@@ -123,14 +122,8 @@ class TieredKVCache(Lifecycle):
         self.mover.register("gpu", "cpu", store_handler(engine))
         self.mover.register("cpu", "gpu", load_handler(engine))
         if self._disk_ns is not None:
-            d = cfg.tiers.disk
-            store = DiskStore(
-                d.path, self._disk_ns, self._slots["disk"], o_direct=d.o_direct,
-                allow_symlink=d.allow_symlink, io_threads=d.io_threads, fsync=d.fsync,
-                on_drop=lambda cause, n, detail: self.metrics.drop("disk", cause, n, detail),
-            )  # fmt: skip
-            recovered = await store.open()  # releases what it took if it fails
-            self.disk = DiskIO(store, self.slabs, self.metrics, self._disk_degraded)
+            self.disk, recovered = await DiskIO.open(cfg.tiers.disk, self._disk_ns, self._slots["disk"],
+                                                     self.slabs, self.metrics, self._disk_degraded)  # fmt: skip
             self.manager.disk.restore([b.key for b in recovered], [b.slot for b in recovered])
             self.recovered_blocks = len(recovered)
             self.mover.register("cpu", "disk", self.disk.write)
@@ -253,14 +246,13 @@ class TieredKVCache(Lifecycle):
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         task = self.spawn(body(op))
-        try:
-            result = await asyncio.shield(task)
-        except asyncio.CancelledError:
+
+        def stop() -> None:
             op.cancelled = True
             if op.idle:  # waiting for room or another call: nothing reserved, nothing copying
                 task.cancel()
-            await finish_uncancelled(task)
-            raise
+
+        result = await wait_to_end(task, stop)
         self.metrics.op_latency[op_name].observe(loop.time() - t0)
         return result
 

@@ -120,7 +120,7 @@ def _render_namespaces(rows: list[dict[str, Any]]) -> None:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from .replay.run import run_replay_cli
+    from .replay.cli import run_replay_cli
 
     return run_replay_cli(args)
 

@@ -26,7 +26,7 @@ from pydantic import (
 )
 
 from .errors import ConfigError
-from .host_checks import check_host_resources, dir_problem, expand_path
+from .host_checks import SLOT_OVERHEAD_BYTES, dir_problem, disk_room, expand_path, mem_available
 from .sizes import MAX_SIZE, format_size, parse_size
 
 ByteSize = Annotated[int, BeforeValidator(parse_size)]
@@ -361,3 +361,36 @@ def validate_config(data: object, where: str = "config") -> Config:
 
 def config_as_dict(cfg: Config) -> dict[str, Any]:
     return cfg.model_dump(mode="json")
+
+
+def check_host_resources(cfg: Config, bytes_per_block: int) -> None:
+    """Refuse tiers this machine cannot hold (a typo like 99999TiB), unless allow_overcommit says so.
+
+    Memory: the CPU tier plus the bookkeeping of every slot, against MemAvailable.
+    Disk: every record the tier can write (records are padded to 4 KiB), against the
+    free space of the path plus what its namespaces already hold.
+    """
+    cpu, disk = cfg.tiers.cpu, cfg.tiers.disk
+    slots = cpu.capacity // bytes_per_block + (disk.capacity // bytes_per_block if disk.enabled else 0)
+    available = mem_available()
+    if not cpu.allow_overcommit and available is not None:
+        need = cpu.capacity + slots * SLOT_OVERHEAD_BYTES
+        if need > available:
+            raise ConfigError(
+                f"tiers.cpu.capacity: {format_size(cpu.capacity)} plus the index of {slots} slots "
+                f"({format_size(slots * SLOT_OVERHEAD_BYTES)}) needs {need} bytes, more than the "
+                f"{available} bytes ({format_size(available)}) of MemAvailable; lower it or set "
+                f"tiers.cpu.allow_overcommit: true"
+            )
+    if disk.enabled and not disk.allow_overcommit:
+        from .tiers.disk.format import HEADER_SIZE  # lazily: the tiers import this module
+
+        record = -(-(HEADER_SIZE + bytes_per_block) // 4096) * 4096
+        need = disk.capacity // bytes_per_block * record
+        free = disk_room(Path(disk.path))
+        if free is not None and need > free:
+            raise ConfigError(
+                f"tiers.disk.capacity: {format_size(disk.capacity)} needs {need} bytes on disk "
+                f"({format_size(need)} in 4 KiB-aligned records), more than the {free} bytes "
+                f"({format_size(free)}) free at {disk.path!r}; lower it or set tiers.disk.allow_overcommit: true"
+            )

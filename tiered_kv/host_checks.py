@@ -10,50 +10,10 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-from .errors import ConfigError
-from .sizes import format_size
-
-if TYPE_CHECKING:
-    from .config import Config
 
 # Bookkeeping RAM per slot of any tier once full: index arrays, policy links, the key and its dict entry.
 SLOT_OVERHEAD_BYTES = 256
 NAME_MAX, PATH_MAX = 255, 4096
-
-
-def check_host_resources(cfg: Config, bytes_per_block: int) -> None:
-    """Refuse tiers this machine cannot hold (a typo like 99999TiB), unless allow_overcommit says so.
-
-    Memory: the CPU tier plus the bookkeeping of every slot, against MemAvailable.
-    Disk: every record the tier can write (records are padded to 4 KiB), against the
-    free space of the path plus what its namespaces already hold.
-    """
-    cpu, disk = cfg.tiers.cpu, cfg.tiers.disk
-    slots = cpu.capacity // bytes_per_block + (disk.capacity // bytes_per_block if disk.enabled else 0)
-    available = mem_available()
-    if not cpu.allow_overcommit and available is not None:
-        need = cpu.capacity + slots * SLOT_OVERHEAD_BYTES
-        if need > available:
-            raise ConfigError(
-                f"tiers.cpu.capacity: {format_size(cpu.capacity)} plus the index of {slots} slots "
-                f"({format_size(slots * SLOT_OVERHEAD_BYTES)}) needs {need} bytes, more than the "
-                f"{available} bytes ({format_size(available)}) of MemAvailable; lower it or set "
-                f"tiers.cpu.allow_overcommit: true"
-            )
-    if disk.enabled and not disk.allow_overcommit:
-        from .tiers.disk.format import HEADER_SIZE  # lazily: the tiers import this module
-
-        record = -(-(HEADER_SIZE + bytes_per_block) // 4096) * 4096
-        need = disk.capacity // bytes_per_block * record
-        free = _disk_room(Path(disk.path))
-        if free is not None and need > free:
-            raise ConfigError(
-                f"tiers.disk.capacity: {format_size(disk.capacity)} needs {need} bytes on disk "
-                f"({format_size(need)} in 4 KiB-aligned records), more than the {free} bytes "
-                f"({format_size(free)}) free at {disk.path!r}; lower it or set tiers.disk.allow_overcommit: true"
-            )
 
 
 def mem_available() -> int | None:
@@ -68,7 +28,7 @@ def mem_available() -> int | None:
     return None
 
 
-def _disk_room(path: Path) -> int | None:
+def disk_room(path: Path) -> int | None:
     """Free bytes where ``path`` lives, plus what its namespaces already hold (reused on restart)."""
     probe = path
     try:

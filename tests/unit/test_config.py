@@ -275,7 +275,7 @@ def test_disk_tier_counts_its_own_namespaces_as_room(tmp_path):
     ns = tmp_path / "ns-abc"
     ns.mkdir()
     (ns / "blocks.dat").write_bytes(b"\1" * (1 << 20))
-    room = host_checks._disk_room(tmp_path)
+    room = host_checks.disk_room(tmp_path)
     free = shutil.disk_usage(tmp_path).free
     assert room is not None and room - free >= (1 << 20) - (64 << 10)  # allow for concurrent writers nearby
 

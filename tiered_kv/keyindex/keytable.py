@@ -29,12 +29,12 @@ a tag collision, a miss in an overflowed bucket) take the exact probe. One owner
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 from typing import NamedTuple
 
 import numpy as np
 
 from ..errors import KeyFormatError, TieredKVError
+from .inputs import KeysIn, check_distinct_slots, key_buffer, slot_array
 
 LANES = 16  # entries per bucket: one bucket's match mask is two uint64 words of 0/1 bytes
 ENTRIES_PER_SLOT = 3  # ~5.3 keys per 16-lane bucket: ~1e-4 of keys inserted into a full table move on
@@ -46,7 +46,6 @@ _LANE_LUT[np.arange(1, 9)] = np.arange(8)
 _LANE_LUT[16 * np.arange(1, 9)] = np.arange(8, 16)
 _U4, _U32, _U56 = np.uint64(4), np.uint64(32), np.uint64(56)
 
-KeysIn = Iterable[bytes] | np.ndarray
 
 
 class _Lookup(NamedTuple):
@@ -93,7 +92,7 @@ class KeyTable:
 
     def find(self, keys: KeysIn) -> np.ndarray:
         """int64 slot holding each key, -1 where absent."""
-        joined, n = self._joined(keys)
+        joined, n = key_buffer(keys, self.key_bytes)
         return self._find(joined, n)
 
     def find_joined(self, joined: bytes | np.ndarray, n: int) -> np.ndarray:
@@ -120,7 +119,7 @@ class KeyTable:
         """
         if not isinstance(keys, np.ndarray) and not hasattr(keys, "__getitem__"):
             keys = list(keys)
-        joined, n = self._joined(keys, each=False)
+        joined, n = key_buffer(keys, self.key_bytes, each=False)
         if n == 0:
             return 0
         look = self._lookup(joined, n)
@@ -143,7 +142,7 @@ class KeyTable:
 
     def has_key(self, slots: np.ndarray) -> np.ndarray:
         """bool per slot: whether it holds a key."""
-        return self._pos[self._check_slots(slots, "has_key")] >= 0
+        return self._pos[slot_array(slots, self.num_slots, "has_key")] >= 0
 
     def key_of(self, slot: int) -> bytes:
         """The key a slot holds; TieredKVError if it holds none."""
@@ -151,13 +150,13 @@ class KeyTable:
 
     def keys_of(self, slots: np.ndarray) -> list[bytes]:
         """The key each slot holds (for events and disk headers); TieredKVError if one holds none."""
-        slots = self._require_held(self._check_slots(slots, "keys_of"), "keys_of")
+        slots = self._require_held(slot_array(slots, self.num_slots, "keys_of"), "keys_of")
         raw, kb = self.slot_keys[slots].tobytes(), self.key_bytes
         return [raw[i : i + kb] for i in range(0, len(raw), kb)]
 
     def key_tags(self, slots: np.ndarray) -> np.ndarray:
         """uint64 keyed hash of each slot's key (a policy's ghost identity); stale for empty slots."""
-        return self._mix(self._k0[self._check_slots(slots, "key_tags")])
+        return self._mix(self._k0[slot_array(slots, self.num_slots, "key_tags")])
 
     # -- mutation ----------------------------------------------------------------------------------
     def insert(self, keys: KeysIn, slots: np.ndarray) -> None:
@@ -165,13 +164,13 @@ class KeyTable:
 
         Validation happens before any change, so a refused batch leaves the table as it was.
         """
-        joined, n = self._joined(keys)
-        slots = self._check_slots(slots, "insert")
+        joined, n = key_buffer(keys, self.key_bytes)
+        slots = slot_array(slots, self.num_slots, "insert")
         if slots.size != n:
             raise TieredKVError(f"insert got {n} keys but {slots.size} slots")
         if n == 0:
             return
-        self._check_distinct_slots(slots, "insert")
+        check_distinct_slots(slots, "insert")
         if self._pos[slots].max() >= 0:
             s = int(slots[np.argmax(self._pos[slots] >= 0)])
             raise TieredKVError(f"insert into slot {s}, which already holds key {self.key_of(s).hex()}")
@@ -190,10 +189,10 @@ class KeyTable:
 
     def remove(self, slots: np.ndarray) -> None:
         """Forget the keys held by these slots; each must hold one (else nothing changes)."""
-        slots = self._check_slots(slots, "remove")
+        slots = slot_array(slots, self.num_slots, "remove")
         if slots.size == 0:
             return
-        self._check_distinct_slots(slots, "remove")
+        check_distinct_slots(slots, "remove")
         slots = self._require_held(slots, "remove")
         entry = self._pos[slots].astype(np.int64)
         home = self._bucket(self._mix(self._k0[slots])).view(np.int64)
@@ -348,46 +347,6 @@ class KeyTable:
             np.add.at(self._ovf, cb[~fits], 1)
             todo = todo[~fits]
             cur[todo] = (cb[~fits] + 1) % self._nb
-
-    def _joined(self, keys: KeysIn, each: bool = True) -> tuple[bytes, int]:
-        """Keys as one buffer of n * key_bytes bytes; with ``each``, every key's own length is checked."""
-        kb = self.key_bytes
-        if isinstance(keys, np.ndarray):
-            if keys.dtype != np.uint8 or keys.ndim != 2 or keys.shape[1] != kb:
-                raise KeyFormatError(f"key array must be uint8[n, {kb}], got {keys.dtype}{list(keys.shape)}")
-            return keys.tobytes(), keys.shape[0]
-        if isinstance(keys, (bytes, bytearray, memoryview, str)):
-            raise KeyFormatError(f"keys must be a sequence of {kb}-byte keys, got one {type(keys).__name__}")
-        if not hasattr(keys, "__len__"):
-            keys = list(keys)
-        n = len(keys)
-        try:
-            joined = b"".join(keys)
-        except TypeError:
-            i, k = next((i, k) for i, k in enumerate(keys) if not isinstance(k, (bytes, bytearray)))
-            raise KeyFormatError(f"keys[{i}] must be bytes, got {type(k).__name__}") from None
-        # One C-level pass: len() of each key must be key_bytes (a total alone misses 33 + 31 bytes).
-        if len(joined) != n * kb or (each and list(map(len, keys)).count(kb) != n):
-            i, k = next(((i, k) for i, k in enumerate(keys) if len(k) != kb), (None, b""))
-            what = f"keys[{i}] has {len(k)} bytes" if i is not None else f"{n} keys hold {len(joined)} bytes"
-            raise KeyFormatError(f"{what}, expected {kb} per key")
-        return joined, n
-
-    def _check_slots(self, slots: np.ndarray, op: str) -> np.ndarray:
-        a = np.asarray(slots)
-        if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
-            raise TieredKVError(f"{op}: slots must be a 1-D integer array, got {a.dtype}{list(a.shape)}")
-        a = a.astype(np.int64, copy=False)
-        if a.size and (a.min() < 0 or a.max() >= self.num_slots):
-            bad = a[(a < 0) | (a >= self.num_slots)][0]
-            raise TieredKVError(f"{op}: slot {int(bad)} is outside [0, {self.num_slots})")
-        return a
-
-    def _check_distinct_slots(self, slots: np.ndarray, op: str) -> None:
-        s = np.sort(slots)
-        rep = s[1:] == s[:-1]
-        if rep.any():
-            raise TieredKVError(f"{op}: slot {int(s[1:][rep][0])} appears twice in one batch")
 
     def _require_held(self, slots: np.ndarray, op: str) -> np.ndarray:
         pos = self._pos[slots]

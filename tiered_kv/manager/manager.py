@@ -32,16 +32,22 @@ def key_rows(keys: Sequence[bytes], key_bytes: int) -> np.ndarray:
     return np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(len(keys), key_bytes)
 
 
+def repeats(keys: Sequence[bytes]) -> np.ndarray | None:
+    """True for each key that repeats an earlier one; None when none does (the common case, checked at C speed)."""
+    if len(set(keys)) == len(keys):
+        return None
+    seen: set[bytes] = set()
+    mask = np.zeros(len(keys), dtype=bool)
+    for i, key in enumerate(keys):
+        mask[i] = key in seen
+        seen.add(key)
+    return mask
+
+
 def first_repeat(keys: Sequence[bytes]) -> int:
     """Index of the first key that repeats an earlier one, or len(keys)."""
-    if len(set(keys)) == len(keys):
-        return len(keys)
-    seen: set[bytes] = set()
-    for i, key in enumerate(keys):
-        if key in seen:
-            return i
-        seen.add(key)
-    return len(keys)  # pragma: no cover - set() said there was a repeat
+    mask = repeats(keys)
+    return len(keys) if mask is None else int(np.argmax(mask))
 
 
 class TierManager:
@@ -121,12 +127,9 @@ class TierManager:
             d_st = self.disk.state[np.maximum(d_s, 0)]
             resident[rest] = (d_s >= 0) & (d_st == READY)
             in_flight[rest] = (d_s >= 0) & (d_st == RESERVED)  # being spilled: on its way to disk
-        repeated = np.zeros(n, dtype=bool)
-        if first_repeat(keys) < n:
-            seen: set[bytes] = set()
-            for i, key in enumerate(keys):
-                repeated[i] = key in seen
-                seen.add(key)
+        repeated = repeats(keys)
+        if repeated is None:
+            repeated = np.zeros(n, dtype=bool)
         new_idx = np.flatnonzero(~(resident | in_flight | repeated))
         slots = self.cpu.reserve(rows[new_idx])
         spill = None
@@ -141,7 +144,6 @@ class TierManager:
         placed = new_idx[: len(slots)]
         return StorePlan(
             keys=list(keys),
-            new_keys=[keys[i] for i in placed],
             gpu_ids=np.asarray(gpu_ids, dtype=np.int64)[placed],
             cpu_slots=slots,
             spill=spill,
@@ -284,7 +286,7 @@ class TierManager:
             end = int(dpos[got])
             self.cpu.unpin(src[end:][cpu_ready[end:cut]])
             src, stop = src[:end], "room"
-        return LoadPlan(src, promote, spill, stop, len(src) - got, got, pinned=src[cpu_ready[: len(src)]])
+        return LoadPlan(src, promote, spill, stop, pinned=src[cpu_ready[: len(src)]])
 
     def complete_promote(self, plan: LoadPlan, ok: np.ndarray, *, corrupt: bool = True) -> int:
         """Commit verified promotions; the run ends at the first one that failed. Returns its length.
@@ -329,7 +331,8 @@ class TierManager:
     # -- events ----------------------------------------------------------------------
     def _event(self, kind: str, tier: str, rows: np.ndarray) -> None:
         if len(rows):
-            self._events.append((kind, tier, np.array(rows, copy=True)))
+            # Every caller passes a fancy-indexed copy (or a view of one) that nothing mutates later.
+            self._events.append((kind, tier, rows))
             if self._on_event is not None:
                 self._on_event(kind, tier, len(rows))
 

@@ -46,7 +46,6 @@ class StorePlan:
     """GPU -> CPU for the new keys of a store call, after ``spill`` (if any) has read the reused slots."""
 
     keys: list[bytes]  # every key of the call, for the touch order at completion
-    new_keys: list[bytes]  # the keys that get copied, in call order
     gpu_ids: np.ndarray  # their GPU blocks
     cpu_slots: np.ndarray  # their reserved CPU slots
     spill: SpillJob | None = None
@@ -87,8 +86,6 @@ class LoadPlan:
     promote: PromoteJob | None = None
     spill: SpillJob | None = None  # victims of the promotion's CPU slots, written first
     stop: str = ""
-    n_cpu: int = 0  # run keys that were CPU hits
-    n_disk: int = 0  # run keys promoted from disk
     pinned: np.ndarray = field(default_factory=lambda: EMPTY)  # CPU slots this plan holds a pin on
 
     def __len__(self) -> int:

@@ -16,11 +16,12 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ..config import DiskTierConfig
 from ..errors import DiskError, KeyFormatError, LayoutError
 from ..manager import PromoteJob, SpillJob
 from ..metrics import CacheMetrics
 from ..tiers.cpu import CpuSlabs
-from ..tiers.disk import DiskStore
+from ..tiers.disk import DiskNamespace, DiskStore
 
 log = logging.getLogger("tiered_kv.disk")
 
@@ -35,6 +36,18 @@ class DiskIO:
         self._metrics = metrics
         self._on_degrade = on_degrade
         self.degraded: str | None = None  # the reason, once writes are disabled
+
+    @classmethod
+    async def open(cls, cfg: DiskTierConfig, namespace: DiskNamespace, num_slots: int, slabs: CpuSlabs,
+                   metrics: CacheMetrics, on_degrade: Callable[[], None]) -> tuple[DiskIO, list]:  # fmt: skip
+        """Open the tier's store (it releases what it took if that fails); returns it and the recovered blocks."""
+        store = DiskStore(
+            cfg.path, namespace, num_slots, o_direct=cfg.o_direct, allow_symlink=cfg.allow_symlink,
+            io_threads=cfg.io_threads, fsync=cfg.fsync,
+            on_drop=lambda cause, n, detail: metrics.drop("disk", cause, n, detail),
+        )  # fmt: skip
+        recovered = await store.open()
+        return cls(store, slabs, metrics, on_degrade), recovered
 
     @property
     def writable(self) -> bool:

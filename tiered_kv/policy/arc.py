@@ -146,11 +146,15 @@ class ARCPolicy(EvictionPolicy):
                 g2 -= 1
         self._p = p
 
-    def touch(self, slots: np.ndarray) -> None:
+    def _tracked(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The tracked ones among ``slots``, with their stamps (untracked slots are ignored)."""
         s = as_slots(slots, self._n)
         st = self._stamp[s]
         live = st != UNTRACKED
-        s, st = s[live], st[live]
+        return s[live], st[live]
+
+    def touch(self, slots: np.ndarray) -> None:
+        s, st = self._tracked(slots)
         if s.size == 0:
             return
         from_t1 = st % 2 == _T1
@@ -161,10 +165,7 @@ class ARCPolicy(EvictionPolicy):
         t2.size += moved
 
     def remove(self, slots: np.ndarray) -> None:
-        s = as_slots(slots, self._n)
-        st = self._stamp[s]
-        live = st != UNTRACKED
-        s, st = s[live], st[live]
+        s, st = self._tracked(slots)
         if s.size == 0:
             return
         once = distinct_winners(self._stamp, s)

@@ -187,7 +187,7 @@ class EngineEmulator:
 
     def _tiers(self, keys: Sequence[bytes]) -> list[str]:
         """Tier of each key of a lookup's leading run, read in the same loop step as the lookup."""
-        return self.cache.manager.tiers_of(keys)
+        return self.cache.tiers_of(keys)
 
     # -- one request -----------------------------------------------------------------------------
     async def run_request(self, req: Request) -> None:

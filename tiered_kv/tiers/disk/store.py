@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from tiered_kv.errors import ConfigError, DiskError, KeyFormatError, LayoutError
+from tiered_kv.lifecycle import wait_to_end
 
 from .admin import open_namespace_dir
 from .files import open_private, probe_o_direct
@@ -59,21 +60,6 @@ _WHYS_LOGGED = 8  # failed records named in one verification WARNING
 
 def _log_drop(cause: str, n: int, detail: str) -> None:
     log.warning("disk tier dropped %d block(s) at recovery: %s (%s)", n, cause, detail)
-
-
-async def wait_to_end(fut: asyncio.Future) -> Any:
-    """Await ``fut``; if the caller is cancelled, still wait for it to finish before re-raising."""
-    try:
-        return await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        while not fut.done():
-            try:
-                await asyncio.wait({fut})
-            except asyncio.CancelledError:
-                continue
-        if not fut.cancelled():
-            fut.exception()  # consumed: the caller asked to cancel and gets CancelledError
-        raise
 
 
 class RecoveredBlock(NamedTuple):

@@ -1,0 +1,72 @@
+"""``tiered-kv replay``: resolve the config, replay, print the report (and the capacity sweep plot).
+
+Split from run.py so that the replay itself knows nothing of its report and plot,
+which build on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from .plot import plot_sweep, sweep
+from .report import build_report, print_report
+from .run import ReplayResult, load_requests, resolve_config, run_replay, simulate
+from .simulate import unique_blocks
+
+
+def run_replay_cli(args: argparse.Namespace) -> int:
+    """``tiered-kv replay``: 0 when every loaded block verified, 1 if any was corrupt."""
+    from rich.console import Console
+
+    cfg = resolve_config(
+        args.config,
+        block_bytes=args.block_bytes,
+        concurrency=args.concurrency,
+        speed=args.speed,
+        max_requests=args.max_requests,
+    )
+    requests = load_requests(cfg, args.trace)
+    keep_disk = bool(getattr(args, "keep_disk", False))
+    console = Console()
+    show_progress = not (args.json or args.no_progress) and console.is_terminal
+    result = _with_progress(
+        console if show_progress else None,
+        len(requests),
+        lambda on_done: run_replay(
+            cfg, requests, keep_disk=keep_disk, on_done=on_done, metrics_port=args.metrics_port
+        ),
+    )
+    sims = simulate(requests, result.total_blocks)
+    workload = str(args.trace) if args.trace else f"built-in chat workload (seed {cfg.replay.seed})"
+    report = build_report(result, sims, workload=workload, unique=unique_blocks(requests))
+    if args.plot:
+        points = sweep(cfg, requests, keep_disk=keep_disk)
+        plot_sweep(points, args.plot, title=workload)
+        report["plot"] = {"path": str(args.plot), "points": [p.as_dict() for p in points]}
+    if args.json:
+        import json
+
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report, console)
+    return 1 if result.stats.corrupt else 0
+
+
+def _with_progress(
+    console, total: int, body: Callable[[Callable[[], None] | None], ReplayResult]
+) -> ReplayResult:
+    if console is None:
+        return body(None)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn("replay"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as bar:
+        task = bar.add_task("replay", total=total)
+        return body(lambda: bar.advance(task))
