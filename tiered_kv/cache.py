@@ -21,7 +21,7 @@ import numpy as np
 from .backpressure import ByteBudget
 from .capacity import tier_slots
 from .config import Config, check_capacities, load_config
-from .errors import BlockIdError, DiskError, LayoutError
+from .errors import BlockIdError, DiskError, HintError, LayoutError
 from .identity import disk_namespace, make_keyer
 from .ids import check_block_ids
 from .keys import check_keys
@@ -174,11 +174,34 @@ class TieredKVCache(Lifecycle):
         m.hit["disk"].inc(result.disk)
         return result
 
-    def touch(self, keys: Sequence[bytes]) -> None:
-        """Mark resident keys as used, last first, so a prefix's head is the most recent."""
+    def touch(self, keys: Sequence[bytes], *, session: str | int | None = None) -> None:
+        """Mark resident keys as used, last first, so a prefix's head is the most recent.
+
+        ``session``: the keys are that live session's current chain (see ``release``).
+        """
         self._check_open()
         check_keys(keys, self._key_bytes)
         self.manager.touch(keys)
+        if session is not None:
+            self.manager.hint(_check_session(session), keys)
+
+    def release(self, session: str | int) -> list[bytes]:
+        """The session ended: its chain's blocks no live session shares become the first to evict.
+
+        They are dropped, never spilled, when room is needed. Returns those keys, so an
+        engine can treat its own copies the same way. An unknown session returns [].
+        """
+        self._check_open()
+        return self.manager.release(_check_session(session))
+
+    async def wait_for(self, keys: Sequence[bytes]) -> LookupResult:
+        """Wait until no key of the leading run is in flight; returns the lookup then."""
+        result = self.lookup(keys)
+        while result.pending:
+            op = _Op()
+            await self._wait_progress(op)
+            result = self.lookup(keys)
+        return result
 
     def tiers_of(self, keys: Sequence[bytes]) -> list[str]:
         """The tier each key is resident in: "cpu", "disk" or "" (for reports and tests)."""
@@ -214,17 +237,40 @@ class TieredKVCache(Lifecycle):
         self.manager.check_invariants()
 
     # -- data path ----------------------------------------------------------------------
-    async def store(self, keys: Sequence[bytes], gpu_block_ids: Sequence[int]) -> StoreResult:
-        """Copy the GPU blocks of keys not yet resident into CPU slots."""
-        ids = self._check_args(keys, gpu_block_ids)
-        keys = list(keys)
-        return await self._run(lambda op: self._store_body(op, keys, ids), "store")
+    async def store(
+        self,
+        keys: Sequence[bytes],
+        gpu_block_ids: Sequence[int],
+        *,
+        prefix: Sequence[bytes] = (),
+        session: str | int | None = None,
+    ) -> StoreResult:
+        """Copy the GPU blocks of keys not yet resident into CPU slots.
 
-    async def load(self, keys: Sequence[bytes], gpu_block_ids: Sequence[int]) -> int:
-        """Load the leading resident keys into the GPU blocks; returns how many were loaded."""
+        ``prefix``: the keys of the chain before ``keys[0]`` when this call stores a
+        continuation (the next chunk of a chunked prefill). The chain's resident blocks
+        are never evicted to make room for it, and the whole chain is touched, head most
+        recent, so no block outlives its parent. ``session``: see ``touch``.
+        """
+        ids = self._check_args(keys, gpu_block_ids)
+        if len(prefix):
+            check_keys(prefix, self._key_bytes)
+        keys, prefix = list(keys), list(prefix)
+        if session is not None:
+            self.manager.hint(_check_session(session), prefix + keys)
+        return await self._run(lambda op: self._store_body(op, keys, ids, prefix), "store")
+
+    async def load(self, keys: Sequence[bytes], gpu_block_ids: Sequence[int], *, exclusive: bool = False) -> int:
+        """Load the leading resident keys into the GPU blocks; returns how many were loaded.
+
+        Waits for keys still in flight (``lookup``'s ``pending``). ``exclusive=True`` is the
+        engine's promise that it keeps the loaded blocks and stores them back when its
+        own cache evicts them: their copies here become first eviction candidates, so
+        the engine's cache and this one hold each block once (see README, "Tiers").
+        """
         ids = self._check_args(keys, gpu_block_ids)
         keys = list(keys)
-        return await self._run(lambda op: self._load_body(op, keys, ids), "load")
+        return await self._run(lambda op: self._load_body(op, keys, ids, bool(exclusive)), "load")
 
     def _check_args(self, keys: Sequence[bytes], gpu_block_ids: Sequence[int]) -> np.ndarray:
         """Validate a call before anything is reserved; returns the block ids as an int64 array."""
@@ -271,12 +317,12 @@ class TieredKVCache(Lifecycle):
             self._progress.set_result(None)
 
     # -- store --------------------------------------------------------------------------
-    async def _store_body(self, op: _Op, keys: list[bytes], ids: np.ndarray) -> StoreResult:
+    async def _store_body(self, op: _Op, keys: list[bytes], ids: np.ndarray, prefix: list[bytes]) -> StoreResult:
         m = self.manager
         stored = deduped = in_flight = 0
         todo_keys, todo_ids = keys, ids
         while True:
-            plan = m.prepare_store(todo_keys, todo_ids)
+            plan = m.prepare_store(todo_keys, todo_ids, prefix)
             deduped, in_flight = deduped + plan.deduped, in_flight + plan.in_flight
             stored += await self._execute_store(op, plan)
             # Keys that found no slot after every evictable block was taken stay out: evicting
@@ -289,6 +335,7 @@ class TieredKVCache(Lifecycle):
                 break  # nothing will ever free room
             await self._wait_progress(op)
             rest = plan.unplaced_idx
+            prefix = prefix + todo_keys[: int(rest[0])] if len(rest) else prefix
             todo_keys, todo_ids = [todo_keys[i] for i in rest.tolist()], todo_ids[rest]
         skipped = len(keys) - stored - deduped - in_flight
         if skipped:
@@ -303,9 +350,10 @@ class TieredKVCache(Lifecycle):
                 await self._spill(plan.spill)  # the reused slots' old blocks go to disk first
             if len(plan.cpu_slots) and not op.cancelled:
                 await self.mover.run("gpu", "cpu", CopyJob(plan.gpu_ids, plan.cpu_slots))
-                # A caller that gave up may already reuse its GPU blocks: what we copied
-                # then cannot be trusted to match the keys. Discard it.
-                ok = not op.cancelled
+            # A caller that gave up may already reuse its GPU blocks: what we copied
+            # then cannot be trusted to match the keys. Discard it. A call with nothing
+            # to copy still commits: its resident keys are touched.
+            ok = not op.cancelled
         finally:
             write_through = m.complete_store(plan, ok)
             self._progressed()
@@ -330,11 +378,11 @@ class TieredKVCache(Lifecycle):
             self._progressed()
 
     # -- load ---------------------------------------------------------------------------
-    async def _load_body(self, op: _Op, keys: list[bytes], ids: np.ndarray) -> int:
+    async def _load_body(self, op: _Op, keys: list[bytes], ids: np.ndarray, exclusive: bool) -> int:
         m = self.manager
         loaded = 0
         while loaded < len(keys) and not op.cancelled:
-            plan = m.prepare_load(keys[loaded:], self._max_promote)
+            plan = m.prepare_load(keys[loaded:], self._max_promote, exclusive=exclusive)
             if not len(plan):
                 if plan.stop == "in_flight":  # another call is storing or promoting it: wait, then go on
                     await self._wait_progress(op)
@@ -391,3 +439,9 @@ class TieredKVCache(Lifecycle):
             log.warning("disk tier: a promotion of %d blocks failed (%s); treating them as misses",
                         len(plan.promote), exc)  # fmt: skip
             return None
+
+
+def _check_session(session: object) -> str | int:
+    if isinstance(session, bool) or not isinstance(session, (str, int)):
+        raise HintError(f"session must be a str or int id, got {type(session).__name__}")
+    return session

@@ -17,6 +17,14 @@ def tier_slots(cfg: Config, layout: KVLayout) -> dict[str, int]:
     return slots
 
 
+def remote_blocks(cfg: Config, layout: KVLayout) -> int:
+    """Blocks the remote tier's capacity holds (each value is a header plus the block); an estimate for
+    the plan and the residency filter's size: Redis's own maxmemory policy decides what it keeps."""
+    from .tiers.remote.format import HEADER_SIZE  # lazily: the tiers import config, which this imports
+
+    return cfg.tiers.remote.capacity // (layout.bytes_per_block + HEADER_SIZE)
+
+
 def plan(cfg: Config, layout: KVLayout | None = None) -> dict[str, Any]:
     """The scheduler's view: the same layout object gives every tier its slot count.
 
@@ -37,6 +45,10 @@ def plan(cfg: Config, layout: KVLayout | None = None) -> dict[str, Any]:
     for name, slots in tier_slots(cfg, layout).items():
         capacity = getattr(cfg.tiers, name).capacity
         tiers.append({"tier": name, "capacity_bytes": capacity, "slots": slots, "tokens": slots * tokens})
+    if cfg.tiers.remote.enabled:
+        blocks = remote_blocks(cfg, layout)
+        tiers.append({"tier": "remote", "capacity_bytes": cfg.tiers.remote.capacity, "slots": blocks,
+                      "tokens": blocks * tokens, "estimate": True})  # fmt: skip
     return {
         "model_id": cfg.model.model_id,
         "dtype": cfg.model.dtype,

@@ -11,6 +11,7 @@ import sys
 from typing import Any, NoReturn
 
 from .errors import TieredKVError
+from .replay.sizing import SHARE_SPLIT_HELP
 
 DEFAULT_CONFIG = "configs/default.yaml"
 
@@ -150,6 +151,16 @@ def _port(text: str) -> int:
     return port
 
 
+def _share(text: str) -> float:
+    try:
+        share = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < share <= 1:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"{text} is not a share: use 0 < F <= 1 (0.05 for 5 %)")
+    return share
+
+
 def _one_line(text: str) -> str:
     # One line on stderr whatever a message holds (a YAML excerpt, a path with a newline).
     return " ".join(text.split())
@@ -183,7 +194,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int)
     p.add_argument("--speed", type=float, help="pace by trace timestamps divided by this (0: as fast as possible)")
     p.add_argument("--metrics-port", type=_port, help="serve Prometheus metrics on 127.0.0.1:PORT while running")
-    p.add_argument("--plot", help="sweep capacities and draw hit rate vs capacity to this PNG")
+    p.add_argument(
+        "--plot", metavar="PATH",
+        help="also replay at capacity shares 1, 5, 10, 25%% (split as --capacity-share) with every eviction "
+             "policy, and draw hit rate vs capacity beside flat LRU and Belady to this PNG (takes minutes on a "
+             "large trace)",
+    )
+    p.add_argument("--capacity-share", type=_share, metavar="F", help=SHARE_SPLIT_HELP)
+    p.add_argument("--policy", metavar="NAME", help="eviction policy, overriding eviction.policy (e.g. lru, arc, window)")
+    p.add_argument(
+        "--hints", action=argparse.BooleanOptionalAction, default=None,
+        help="pass the workload's sessions to the cache as hints (replay.hints; the built-in workload has sessions)",
+    )
+    p.add_argument(
+        "--keep-partial", action="store_true",
+        help="also store a request's partial last block (replay.drop_partial: false); by default it is dropped",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.add_argument(
         "--keep-disk", action="store_true",

@@ -51,7 +51,7 @@ MIN_REPLAY_BLOCK_BYTES = 512  # below this the replay's slot counts explode (64M
 
 
 # The closed sets of names; code elsewhere reads them from here (typing.get_args), never a copy.
-PolicyName = Literal["lru", "arc"]
+PolicyName = Literal["lru", "arc", "window"]
 EngineKind = Literal["auto", "host", "cuda"]
 KeyHash = Literal["sha256", "xxh3_128"]
 
@@ -157,9 +157,62 @@ class DiskTierConfig(_Section):
         return path
 
 
+class RemoteTierConfig(_Section):
+    """The shared remote tier on Redis or Redis Cluster (off by default).
+
+    Cross-instance sharing needs ``write: write_through``: with write_back a block reaches Redis only
+    when this instance evicts it from CPU, so other instances see it late or never.
+    """
+
+    enabled: bool = False
+    url: str = "redis://127.0.0.1:6379/0"  # redis://, rediss:// (TLS) or unix:///path.sock; never a password
+    cluster: bool = False  # Redis Cluster: `nodes` are the seeds (the url's host:port when empty)
+    nodes: list[str] = Field(default_factory=list, max_length=1024)
+    capacity: ByteSize = parse_size("8GiB")  # for `plan` only: Redis's own maxmemory policy evicts
+    ttl: int = Field(0, ge=0, le=10 * 365 * 86400)  # seconds a block lives in Redis; 0 = no expiry
+    key_prefix: str = Field("tkv:", max_length=256)
+    max_concurrency: int = Field(16, gt=0, le=1024)  # connections (and batches in flight) per server
+    timeout: float = Field(1.0, gt=0, le=300)  # seconds per connect / reply before the tier degrades
+    password_env: str | None = None  # the NAME of the environment variable holding the password
+    write: Literal["write_through", "write_back"] = "write_through"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_password_in_file(cls, data: object) -> object:
+        if isinstance(data, Mapping) and "password" in data:
+            raise ValueError("password: a password never goes in the config file; put it in an environment "
+                             "variable and name that variable in tiers.remote.password_env")
+        return data
+
+    @model_validator(mode="after")
+    def _valid_endpoints(self) -> RemoteTierConfig:
+        from .tiers.remote.url import env_name_problem, node_problem, redact, url_db, url_problem
+
+        problem = url_problem(self.url)
+        if problem:
+            raise ValueError(f"url: {redact(self.url)[:200]!r} {problem}")
+        if self.password_env is not None and env_name_problem(self.password_env):
+            raise ValueError(f"password_env: {env_name_problem(self.password_env)}")
+        if any(c.isspace() or not c.isprintable() for c in self.key_prefix):
+            raise ValueError(f"key_prefix: {self.key_prefix[:80]!r} holds whitespace or control characters")
+        if not self.cluster:
+            if self.nodes:
+                raise ValueError("nodes: seed nodes are for a cluster; set cluster: true or remove them")
+            return self
+        if self.url.startswith("unix:"):
+            raise ValueError(f"cluster: Redis Cluster needs TCP nodes, not {redact(self.url)!r}")
+        if url_db(self.url) != 0:
+            raise ValueError(f"url: Redis Cluster has only database 0, not {url_db(self.url)}")
+        for node in self.nodes:
+            if node_problem(node):
+                raise ValueError(f"nodes: {node_problem(node)}")
+        return self
+
+
 class TiersConfig(_Section):
     cpu: CpuTierConfig = CpuTierConfig()
     disk: DiskTierConfig = DiskTierConfig(enabled=False)
+    remote: RemoteTierConfig = RemoteTierConfig()
 
 
 class EvictionConfig(_Section):
@@ -183,6 +236,8 @@ class ReplayConfig(_Section):
     speed: float = Field(0.0, ge=0)  # 0 = as fast as possible, else trace time / speed
     seed: int = Field(0, ge=0, lt=1 << 64)
     block_bytes: ByteSize | None = None  # synthetic block size; overrides model geometry for the replay
+    hints: bool = False  # the emulator passes the workload's sessions to the cache as hints
+    drop_partial: bool = True  # the emulator never stores a request's partial last block
 
     @field_validator("block_bytes")
     @classmethod
@@ -228,6 +283,8 @@ def check_capacities(cfg: Config, bytes_per_block: int) -> None:
     tiers = [("tiers.cpu.capacity", cfg.tiers.cpu.capacity)]
     if cfg.tiers.disk.enabled:
         tiers.append(("tiers.disk.capacity", cfg.tiers.disk.capacity))
+    if cfg.tiers.remote.enabled:
+        tiers.append(("tiers.remote.capacity", cfg.tiers.remote.capacity))
     for key, capacity in tiers:
         if capacity < bytes_per_block:
             raise ConfigError(

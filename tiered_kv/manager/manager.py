@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from .plans import LoadPlan, LookupResult, PromoteJob, SpillJob, StorePlan
+from .sessions import Sessions
 from .tier_index import EMPTY, READY, RESERVED, TierIndex
 
 EVENT_KINDS = ("stored", "evicted", "spilled", "dropped")
@@ -72,10 +73,11 @@ class TierManager:
         self._events: deque[tuple[str, str, np.ndarray]] = deque(maxlen=max_events)
         self.disk_invalidate: list[np.ndarray] = []  # disk slots dropped for good: the store forgets them
         self._on_event = on_event  # (kind, tier, count): the facade's metrics
+        self.sessions = Sessions(key_bytes)
 
     # -- lookup -----------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
-        """Longest leading run of READY keys over CPU and disk; no I/O."""
+        """Longest leading run of keys READY or in flight over CPU and disk; no I/O."""
         n = len(keys)
         if n == 0:
             return LookupResult()
@@ -84,20 +86,20 @@ class TierManager:
         cpu_st = self.cpu.state[np.maximum(cpu_s, 0)]
         cpu_ready = (cpu_s >= 0) & (cpu_st == READY)
         if cpu_ready.all():
-            return LookupResult(n, n, 0, False)
+            return LookupResult(n, n, 0, 0)
         pending = (cpu_s >= 0) & (cpu_st == RESERVED)
-        hit = cpu_ready
+        disk_ready = np.zeros(n, dtype=bool)
         if self.disk is not None:
-            rest = np.flatnonzero(~cpu_ready)
+            rest = np.flatnonzero(cpu_s < 0)
             d_s = self.disk.keys.find(rows[rest])
             d_st = self.disk.state[np.maximum(d_s, 0)]
-            hit = cpu_ready.copy()
-            hit[rest] = (d_s >= 0) & (d_st == READY)
-            pending = pending.copy()
-            pending[rest] |= (d_s >= 0) & (d_st == RESERVED)
+            disk_ready[rest] = (d_s >= 0) & (d_st == READY)
+            pending[rest] = (d_s >= 0) & (d_st == RESERVED)  # being spilled
+        hit = cpu_ready | disk_ready | pending
         run = int(np.argmin(hit)) if not hit.all() else n
         n_cpu = int(np.count_nonzero(cpu_ready[:run]))
-        return LookupResult(run, n_cpu, run - n_cpu, bool(run < n and pending[run]))
+        n_disk = int(np.count_nonzero(disk_ready[:run]))
+        return LookupResult(run, n_cpu, n_disk, run - n_cpu - n_disk)
 
     def tiers_of(self, keys: Sequence[bytes]) -> list[str]:
         """The tier each key is READY in ("cpu", then "disk"), or "" (for reports; vectorized)."""
@@ -113,20 +115,27 @@ class TierManager:
         return where.tolist()
 
     # -- store -----------------------------------------------------------------------
-    def prepare_store(self, keys: Sequence[bytes], gpu_ids: np.ndarray) -> StorePlan:
-        """Reserve CPU slots for the keys not yet resident; evictions become a spill job or drops."""
+    def prepare_store(self, keys: Sequence[bytes], gpu_ids: np.ndarray, prefix: Sequence[bytes] = ()) -> StorePlan:
+        """Reserve CPU slots for the keys not yet resident; evictions become a spill job or drops.
+
+        ``prefix``: the chain's keys before ``keys[0]`` (a continuation, e.g. the next chunk
+        of a chunked prefill). The chain's resident blocks are held while this call evicts,
+        so a continuation never evicts its own head (which would orphan everything after it).
+        """
         n = len(keys)
         rows = key_rows(keys, self.key_bytes)
         cpu_s = self.cpu.keys.find(rows)
         cpu_st = self.cpu.state[np.maximum(cpu_s, 0)]
         resident = (cpu_s >= 0) & (cpu_st == READY)
         in_flight = (cpu_s >= 0) & (cpu_st == RESERVED)
+        d_s = None
         if self.disk is not None:
             rest = np.flatnonzero(cpu_s < 0)
-            d_s = self.disk.keys.find(rows[rest])
-            d_st = self.disk.state[np.maximum(d_s, 0)]
-            resident[rest] = (d_s >= 0) & (d_st == READY)
-            in_flight[rest] = (d_s >= 0) & (d_st == RESERVED)  # being spilled: on its way to disk
+            d_s = np.full(n, -1, dtype=np.int64)
+            d_s[rest] = self.disk.keys.find(rows[rest])
+            d_st = self.disk.state[np.maximum(d_s[rest], 0)]
+            resident[rest] = (d_s[rest] >= 0) & (d_st == READY)
+            in_flight[rest] = (d_s[rest] >= 0) & (d_st == RESERVED)  # being spilled: on its way to disk
         repeated = repeats(keys)
         if repeated is None:
             repeated = np.zeros(n, dtype=bool)
@@ -135,12 +144,17 @@ class TierManager:
         spill = None
         short = len(new_idx) - len(slots)
         if short:
-            # Sorted, so the new keys get runs of consecutive slots (one copy per run).
-            victims = np.sort(self.cpu.evict(min(short, self.cpu.evictable)))
-            if len(victims):
-                spill = self._spill_or_drop(victims)
-                self.cpu.reassign(victims, rows[new_idx[len(slots) : len(slots) + len(victims)]])
-                slots = np.concatenate([slots, victims])
+            held_cpu, held_disk = self._hold_chain(rows, cpu_s, d_s, resident, prefix)
+            try:
+                # Sorted, so the new keys get runs of consecutive slots (one copy per run).
+                victims, spill = self._evict_cpu(short)
+                if len(victims):
+                    self.cpu.reassign(victims, rows[new_idx[len(slots) : len(slots) + len(victims)]])
+                    slots = np.concatenate([slots, victims])
+            finally:
+                self.cpu.unpin(held_cpu)
+                if self.disk is not None:
+                    self.disk.unpin(held_disk)
         placed = new_idx[: len(slots)]
         return StorePlan(
             keys=list(keys),
@@ -150,7 +164,24 @@ class TierManager:
             deduped=int(np.count_nonzero(resident | repeated)),
             in_flight=int(np.count_nonzero(in_flight & ~repeated)),
             unplaced_idx=new_idx[len(slots) :],
+            prefix=list(prefix),
         )
+
+    def _hold_chain(self, rows, cpu_s, d_s, resident, prefix) -> tuple[np.ndarray, np.ndarray]:
+        """Pin the resident blocks of the call's chain (prefix + its own resident keys) for one eviction."""
+        cpu_held = cpu_s[resident & (cpu_s >= 0)]
+        disk_held = d_s[resident & (d_s >= 0)] if d_s is not None else EMPTY
+        if len(prefix):
+            prows = key_rows(prefix, self.key_bytes)
+            cpu_held = np.concatenate([cpu_held, self.cpu.find_ready(prows)])
+            if self.disk is not None:
+                disk_held = np.concatenate([disk_held, self.disk.find_ready(prows)])
+        cpu_held = np.unique(cpu_held[cpu_held >= 0])
+        disk_held = np.unique(disk_held[disk_held >= 0])
+        self.cpu.pin(cpu_held)
+        if self.disk is not None:
+            self.disk.pin(disk_held)
+        return cpu_held, disk_held
 
     def complete_store(self, plan: StorePlan, ok: bool) -> SpillJob | None:
         """Commit (or abort) the plan's slots; returns a write-through spill job when one is due."""
@@ -160,8 +191,10 @@ class TierManager:
         self.cpu.commit(plan.cpu_slots[::-1])
         if len(plan.cpu_slots):
             self._event("stored", "cpu", self.cpu.keys.slot_keys[plan.cpu_slots])
-        if len(plan.cpu_slots) != len(plan.keys):  # else the commit above already set the prefix order
-            self.touch(plan.keys)
+        if plan.prefix or len(plan.cpu_slots) != len(plan.keys):  # else the commit set the chain's order
+            # Only the blocks that were already resident are re-referenced (a policy with a
+            # window must see a new block once); the chain's head ends most recent.
+            self.touch(plan.prefix + plan.keys, skip=plan.cpu_slots)
         if not (self.write_through and self.disk_writable and len(plan.cpu_slots)):
             return None
         return self._write_through_job(plan.cpu_slots)
@@ -177,27 +210,76 @@ class TierManager:
         self.cpu.pin(cpu_slots)  # the copy stays servable, and is not evicted while it is read
         return SpillJob(rows[: len(disk_slots)], cpu_slots, disk_slots, reuse=False)
 
-    def touch(self, keys: Sequence[bytes]) -> None:
-        """Mark resident keys as used, last first, so a prefix's head is the most recent."""
+    def touch(self, keys: Sequence[bytes], skip: np.ndarray = EMPTY) -> None:
+        """Mark resident keys as used, last first, so a prefix's head is the most recent.
+
+        ``skip``: CPU slots just inserted by the caller, not touched again.
+        """
         if not len(keys):
             return
         rows = key_rows(keys, self.key_bytes)[::-1]
         cpu_s = self.cpu.find_ready(rows)
-        self.cpu.touch(cpu_s[cpu_s >= 0])
+        hit = cpu_s >= 0
+        if len(skip):
+            hit &= ~np.isin(cpu_s, skip)
+        self.cpu.touch(cpu_s[hit])
         if self.disk is not None:
-            d_s = self.disk.find_ready(rows)
+            # A block in the CPU tier leaves its disk copy where it is (a clean duplicate is
+            # touched when the CPU evicts the block): the two tiers act as one exclusive LRU.
+            rest = np.flatnonzero(cpu_s < 0)
+            d_s = self.disk.find_ready(rows[rest])
             self.disk.touch(d_s[d_s >= 0])
 
+    # -- session hints ---------------------------------------------------------------
+    def hint(self, session, keys: Sequence[bytes]) -> None:
+        """``keys`` are the live session's current chain (see sessions.Sessions)."""
+        self.sessions.register(session, key_rows(keys, self.key_bytes).copy() if len(keys) else
+                               np.zeros((0, self.key_bytes), dtype=np.uint8))  # fmt: skip
+
+    def release(self, session) -> list[bytes]:
+        """The session ended: its chain's unshared blocks become first eviction candidates everywhere.
+
+        Returns those keys (chain order) so the engine can do the same in its own cache.
+        """
+        rows = self.sessions.release(session)
+        if not len(rows):
+            return []
+        tail_first = rows[::-1]
+        for tier in (self.cpu, self.disk):
+            if tier is not None:
+                slots = tier.find_ready(tail_first)
+                tier.demote(slots[slots >= 0])
+        return [bytes(r) for r in rows]
+
     # -- spills ----------------------------------------------------------------------
-    def _spill_or_drop(self, victims: np.ndarray) -> SpillJob | None:
-        """CPU victims: clean ones (already on disk) are dropped, dirty ones spilled when the disk can."""
+    def _evict_cpu(self, n: int) -> tuple[np.ndarray, SpillJob | None]:
+        """Up to ``n`` CPU victims, sorted (the new keys get runs of consecutive slots), and their spill."""
+        victims = self.cpu.evict(min(n, self.cpu.evictable))
+        if not len(victims):
+            return victims, None
+        spill = self._spill_or_drop(victims, self.cpu.evicted_cold)
+        return np.sort(victims), spill
+
+    def _spill_or_drop(self, victims: np.ndarray, n_cold: int) -> SpillJob | None:
+        """CPU victims (the first ``n_cold`` from the cold list) -> a spill job for the dirty ones.
+
+        Cold victims are dropped: a faster tier holds them, or their session ended.
+        Clean victims (already on disk) are dropped too, and their disk copy becomes
+        the disk's most recent: CPU and disk together act as one exclusive LRU.
+        """
         rows = self.cpu.keys.slot_keys[victims]
         if self.disk is None or not self.disk_writable:
             self._event("evicted", "cpu", rows)
             return None
-        dirty = self.disk.keys.find(rows) < 0
+        if n_cold:
+            self._event("evicted", "cpu", rows[:n_cold])
+            rows, victims = rows[n_cold:], victims[n_cold:]
+        d_s = self.disk.keys.find(rows)
+        dirty = d_s < 0
         if not dirty.all():
             self._event("evicted", "cpu", rows[~dirty])
+            clean = d_s[~dirty]
+            self.disk.touch(clean[self.disk.state[clean] == READY])  # oldest first, as evicted
         rows, cpu_slots = rows[dirty], victims[dirty]
         disk_slots = self._reserve_disk(rows)
         if len(disk_slots) < len(rows):
@@ -231,7 +313,7 @@ class TierManager:
             self.cpu.unpin(job.cpu_slots)
 
     # -- load ------------------------------------------------------------------------
-    def prepare_load(self, keys: Sequence[bytes], max_promote: int) -> LoadPlan:
+    def prepare_load(self, keys: Sequence[bytes], max_promote: int, *, exclusive: bool = False) -> LoadPlan:
         """Pin the leading run's CPU hits and reserve CPU slots for up to ``max_promote`` disk hits."""
         n = first_repeat(keys)
         if n == 0:
@@ -271,9 +353,8 @@ class TierManager:
             slots = self.cpu.reserve(prows)
             short = want - len(slots)
             if short:
-                victims = np.sort(self.cpu.evict(min(short, self.cpu.evictable)))
+                victims, spill = self._evict_cpu(short)
                 if len(victims):
-                    spill = self._spill_or_drop(victims)
                     self.cpu.reassign(victims, prows[len(slots) : len(slots) + len(victims)])
                     slots = np.concatenate([slots, victims])
             got = len(slots)
@@ -286,7 +367,7 @@ class TierManager:
             end = int(dpos[got])
             self.cpu.unpin(src[end:][cpu_ready[end:cut]])
             src, stop = src[:end], "room"
-        return LoadPlan(src, promote, spill, stop, pinned=src[cpu_ready[: len(src)]])
+        return LoadPlan(src, promote, spill, stop, pinned=src[cpu_ready[: len(src)]], exclusive=exclusive)
 
     def complete_promote(self, plan: LoadPlan, ok: np.ndarray, *, corrupt: bool = True) -> int:
         """Commit verified promotions; the run ends at the first one that failed. Returns its length.
@@ -298,6 +379,9 @@ class TierManager:
         ok = np.asarray(ok, dtype=bool)
         self.disk.unpin(job.disk_slots)
         good, bad = job.cpu_slots[ok], job.cpu_slots[~ok]
+        # The disk copy of a promoted block stays while it is clean and room is not short:
+        # first to go when the disk needs room, touched again if the CPU evicts the block.
+        self.disk.demote(job.disk_slots[ok])
         self.cpu.commit(good)
         self.cpu.pin(good)
         plan.pinned = np.concatenate([plan.pinned, good])
@@ -315,10 +399,18 @@ class TierManager:
         return int(job.positions[np.argmax(~ok)])
 
     def complete_load(self, plan: LoadPlan, loaded: int) -> None:
-        """Release the plan's pins; the loaded run is touched last block first."""
+        """Release the plan's pins; the loaded run is touched last block first.
+
+        An exclusive load (the engine keeps the blocks and stores them back when its
+        own cache evicts them) demotes the CPU copies instead: first eviction
+        candidates, dropped rather than spilled, made recent again by that store.
+        """
         self.cpu.unpin(plan.pinned)
         plan.pinned = EMPTY
-        self.cpu.touch(plan.cpu_slots[:loaded][::-1])
+        if plan.exclusive:
+            self.cpu.demote(plan.cpu_slots[:loaded][::-1])
+        else:
+            self.cpu.touch(plan.cpu_slots[:loaded][::-1])
 
     def abort_load(self, plan: LoadPlan) -> None:
         """Undo a plan whose promotion never ran (the mover refused it before any read)."""

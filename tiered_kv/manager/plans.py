@@ -11,16 +11,22 @@ from .tier_index import EMPTY
 
 @dataclass(frozen=True)
 class LookupResult:
-    """Leading run of resident keys, split by tier.
+    """Leading run of keys the caller can load, split by where each one is.
 
-    ``in_flight`` is True when the run stopped at a key whose store, spill or
-    promotion is still in flight: not a hit yet, but not worth recomputing either.
+    ``total = cpu + disk + pending``. ``pending`` keys are still being stored,
+    spilled or promoted by another call: ``load`` waits for them (and stops at
+    one whose copy fails), so they count as hits the caller can wait for.
     """
 
     total: int = 0
     cpu: int = 0
     disk: int = 0
-    in_flight: bool = False
+    pending: int = 0
+
+    @property
+    def in_flight(self) -> bool:
+        """True when part of the run is still in flight (``load`` or ``wait_for`` waits for it)."""
+        return self.pending > 0
 
 
 @dataclass
@@ -52,6 +58,7 @@ class StorePlan:
     deduped: int = 0  # already resident (or repeated in the call): touched, not copied
     in_flight: int = 0  # another store or promotion of the key is in flight
     unplaced_idx: np.ndarray = field(default_factory=lambda: EMPTY)  # call positions of new keys with no slot
+    prefix: list[bytes] = field(default_factory=list)  # the chain before keys[0]: touched with them
 
     @property
     def unplaced(self) -> int:
@@ -87,6 +94,7 @@ class LoadPlan:
     spill: SpillJob | None = None  # victims of the promotion's CPU slots, written first
     stop: str = ""
     pinned: np.ndarray = field(default_factory=lambda: EMPTY)  # CPU slots this plan holds a pin on
+    exclusive: bool = False  # the engine keeps what it loads and stores it back: demote the CPU copies
 
     def __len__(self) -> int:
         return len(self.cpu_slots)

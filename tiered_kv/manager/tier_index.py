@@ -6,10 +6,16 @@ no Python object per block, only fixed-size numpy rows (the key bytes in the
 KeyTable, a state byte, a pin count, the policy's arrays).
 
 States: FREE -> RESERVED (a copy into the slot is in flight) -> READY
-(servable, tracked by the policy) -> FREE. A READY slot with pins > 0 is being
+(servable, tracked by the policy or the cold list) -> FREE. A READY slot with pins > 0 is being
 read and is never evicted; an evicted slot leaves the policy at once and is
 either dropped or handed to a new key by ``reassign`` (its old bytes may still
 be read by a spill that the new key's copy waits for).
+
+The cold list holds READY blocks that are worth less than anything the policy
+orders: a copy that also lives in a faster tier (promoted, or loaded by an
+engine that stores it back on eviction), or the tail of a released session.
+It is evicted first, oldest first, and its victims are dropped, never spilled.
+A touch takes a block out of it again.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import numpy as np
 
 from ..errors import TieredKVError
 from ..keyindex import KeyTable
-from ..policy import EvictionPolicy, make_policy
+from ..policy import EvictionPolicy, LRUPolicy, make_policy
 
 FREE, RESERVED, READY = 0, 1, 2
 _MAX_PINS = np.iinfo(np.uint16).max
@@ -46,6 +52,8 @@ class TierIndex:
         self.n_ready = 0
         self.n_ready_pinned = 0  # READY slots with pins > 0 (not evictable)
         self.policy = make_policy(policy, num_slots, key_tag=self.keys.key_tags) if isinstance(policy, str) else policy
+        self.cold = LRUPolicy(num_slots)
+        self.evicted_cold = 0  # how many of the last evict()'s victims (the leading ones) came from the cold list
 
     # -- queries ----------------------------------------------------------------------
     @property
@@ -77,7 +85,8 @@ class TierIndex:
         return dict(zip(self.keys.keys_of(slots), slots.tolist(), strict=True))
 
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.state.nbytes + self.pins.nbytes + self._free.nbytes + self.policy.nbytes
+        parts = (self.keys, self.state, self.pins, self._free, self.policy, self.cold)
+        return sum(part.nbytes for part in parts)
 
     # -- reserve -> commit | abort -----------------------------------------------------
     def reserve(self, keys: Sequence[bytes] | np.ndarray) -> np.ndarray:
@@ -134,6 +143,7 @@ class TierIndex:
         if np.any(self.pins[slots]):
             raise TieredKVError(f"{self.name}: cannot drop pinned slots")
         self.policy.remove(slots)  # a no-op for victims evict() already took out
+        self.cold.remove(slots)
         self.keys.remove(slots)
         self.state[slots] = FREE
         self.n_ready -= len(slots)
@@ -145,10 +155,27 @@ class TierIndex:
         The caller drops or reassigns every victim before it returns to the loop
         (they still count as READY and evictable until then).
         """
+        self.evicted_cold = 0
         if n <= 0 or n > self.evictable:
             return EMPTY
-        victims = self.policy.evict(n, self.pins)
-        return victims if len(victims) == n else EMPTY
+        cold = self.cold.evict_up_to(n, self.pins) if len(self.cold) else EMPTY
+        if len(cold) == n:
+            self.evicted_cold = n
+            return cold
+        victims = self.policy.evict(n - len(cold), self.pins)
+        if len(victims) != n - len(cold):  # the counts disagree with the lists: a bug, never silently
+            raise TieredKVError(f"{self.name}: {self.evictable} evictable slots counted but fewer found")
+        self.evicted_cold = len(cold)
+        return np.concatenate([cold, victims]) if len(cold) else victims
+
+    def demote(self, slots: np.ndarray) -> None:
+        """Make READY slots the first eviction candidates (oldest first in array order)."""
+        slots = slots[self.state[slots] == READY] if len(slots) else slots
+        if not len(slots):
+            return
+        slots = slots[self.cold.stamp_of(slots) < 0]
+        self.policy.remove(slots)
+        self.cold.insert(slots)
 
     # -- pins --------------------------------------------------------------------------
     def pin(self, slots: np.ndarray) -> None:
@@ -171,9 +198,16 @@ class TierIndex:
         self.n_ready_pinned -= int(np.count_nonzero((pins == 1) & (self.state[slots] == READY)))
 
     def touch(self, slots: np.ndarray) -> None:
-        """Record hits; the LAST slot ends most recent."""
-        if len(slots):
-            self.policy.touch(slots)
+        """Record hits; the LAST slot ends most recent. A cold slot goes back to the policy."""
+        if not len(slots):
+            return
+        if len(self.cold):
+            cold = slots[self.cold.stamp_of(slots) >= 0]
+            if len(cold):
+                cold = np.unique(cold)
+                self.cold.remove(cold)
+                self.policy.insert(cold)
+        self.policy.touch(slots)
 
     # -- restore after restart ---------------------------------------------------------
     def restore(self, keys: Sequence[bytes], slots: np.ndarray) -> None:
@@ -230,4 +264,9 @@ class TierIndex:
         pinned_ready = int(np.count_nonzero((st == READY) & (self.pins > 0)))
         if pinned_ready != self.n_ready_pinned:
             raise TieredKVError(f"{self.name}: pinned READY count drifted ({self.n_ready_pinned} vs {pinned_ready})")
+        tracked = np.zeros(self.num_slots, dtype=np.int64)
+        for order in (self.policy.order(), self.cold.order()):
+            tracked[np.asarray(order, dtype=np.int64)] += 1
+        if np.any(tracked != (st == READY)):
+            raise TieredKVError(f"{self.name}: READY slots and the policy + cold lists disagree")
         self.keys.check_invariants()

@@ -18,9 +18,10 @@ from ..backpressure import ByteBudget
 from ..errors import TransferError
 from ..metrics import CacheMetrics
 
-MEDIA = ("gpu", "cpu", "disk")
+MEDIA = ("gpu", "cpu", "disk", "remote")
 DIRECTIONS = {("gpu", "cpu"): "gpu_to_cpu", ("cpu", "gpu"): "cpu_to_gpu",
-              ("cpu", "disk"): "cpu_to_disk", ("disk", "cpu"): "disk_to_cpu"}  # fmt: skip
+              ("cpu", "disk"): "cpu_to_disk", ("disk", "cpu"): "disk_to_cpu",
+              ("cpu", "remote"): "cpu_to_remote", ("remote", "cpu"): "remote_to_cpu"}  # fmt: skip
 
 # A handler runs one job and returns a per-block ok mask; it raises only for a fault that
 # hit the whole batch, and only once nothing of the batch can still be in flight.

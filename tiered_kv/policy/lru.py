@@ -79,12 +79,26 @@ class LRUPolicy(EvictionPolicy):
         self._log.commit(n, cand)
         return cand.slots
 
+    def evict_up_to(self, n: int, pins: np.ndarray) -> np.ndarray:
+        """Like ``evict`` but takes what it can: at most ``n`` unpinned slots, oldest first."""
+        n = check_evict_n(n)
+        pins = check_pins(pins, self._n)
+        if n == 0 or self._log.size == 0:
+            return EMPTY.copy()
+        cand = self._log.candidates(n, pins)
+        self._log.commit(cand.slots.size, cand)
+        return cand.slots
+
     @property
     def num_slots(self) -> int:
         return self._n
 
     def __len__(self) -> int:
         return self._log.size
+
+    def stamp_of(self, slots: np.ndarray) -> np.ndarray:
+        """Per slot: >= 0 when tracked, -1 when not (vectorized membership)."""
+        return self._stamp[slots]
 
     def __contains__(self, slot: object) -> bool:
         if not isinstance(slot, (int, np.integer)) or isinstance(slot, bool) or not 0 <= slot < self._n:

@@ -11,7 +11,15 @@ from collections.abc import Callable
 
 from .plot import plot_sweep, sweep
 from .report import build_report, print_report
-from .run import ReplayResult, load_requests, resolve_config, run_replay, simulate
+from .run import (
+    BLOCK_TOKENS,
+    ReplayResult,
+    load_requests,
+    resolve_config,
+    run_replay,
+    simulate,
+    with_capacity_share,
+)
 from .simulate import unique_blocks
 
 
@@ -25,8 +33,15 @@ def run_replay_cli(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         speed=args.speed,
         max_requests=args.max_requests,
+        policy=getattr(args, "policy", None),
+        hints=getattr(args, "hints", None),
+        drop_partial=False if getattr(args, "keep_partial", False) else None,
     )
     requests = load_requests(cfg, args.trace)
+    split = None
+    share = getattr(args, "capacity_share", None)
+    if share is not None:
+        cfg, split = with_capacity_share(cfg, requests, share)
     keep_disk = bool(getattr(args, "keep_disk", False))
     console = Console()
     show_progress = not (args.json or args.no_progress) and console.is_terminal
@@ -34,16 +49,19 @@ def run_replay_cli(args: argparse.Namespace) -> int:
         console if show_progress else None,
         len(requests),
         lambda on_done: run_replay(
-            cfg, requests, keep_disk=keep_disk, on_done=on_done, metrics_port=args.metrics_port
+            cfg, requests, keep_disk=keep_disk, on_done=on_done, metrics_port=args.metrics_port,
+            block_tokens=BLOCK_TOKENS,
         ),
     )
-    sims = simulate(requests, result.total_blocks)
+    sims = simulate(requests, result.total_blocks, block_tokens=result.block_tokens)
     workload = str(args.trace) if args.trace else f"built-in chat workload (seed {cfg.replay.seed})"
-    report = build_report(result, sims, workload=workload, unique=unique_blocks(requests))
+    report = build_report(result, sims, workload=workload, unique=unique_blocks(requests), split=split)
     if args.plot:
-        points = sweep(cfg, requests, keep_disk=keep_disk)
-        plot_sweep(points, args.plot, title=workload)
-        report["plot"] = {"path": str(args.plot), "points": [p.as_dict() for p in points]}
+        err = Console(stderr=True)
+        done = sweep(cfg, requests, block_tokens=result.block_tokens,
+                     progress=err.log if show_progress else None)  # fmt: skip
+        plot_sweep(done, args.plot, title=workload)
+        report["plot"] = {"path": str(args.plot), **done.as_dict()}
     if args.json:
         import json
 

@@ -2,8 +2,24 @@
 
 Per request: take the leading GPU hits, ask the cache for the rest, load them,
 check every loaded byte against what its key must hold, "compute" the misses by
-writing key-derived bytes, store them, then publish the blocks in the GPU prefix
-cache (last block first, so a request's head is the most recent).
+writing key-derived bytes, then publish the blocks in the GPU prefix cache (last
+block first, so a request's head is the most recent).
+
+Exclusive mode (the default) treats the GPU as the top of one exclusive
+hierarchy: a block goes to the cache when the GPU prefix cache evicts it (its
+store finishes before the GPU block is reused), and loads are ``exclusive`` (the
+cache's copy becomes a first eviction candidate). GPU + CPU + disk then hold
+each block once, like one flat LRU of their total size. Inclusive mode stores
+every computed block at once, as vLLM's connectors do, with the request's
+earlier blocks as the ``prefix``.
+
+A request's partial last block (``input_length`` not a multiple of the block
+size) is never published or stored when ``drop_partial``: its id changes once
+the next turn fills it, so it is never reused as such.
+
+With ``hints``, requests that carry a session register their chain with the
+cache (``touch(session=)``), and a session's last turn releases it: the blocks
+no live session shares become the first eviction candidates here and in the cache.
 
 The GPU prefix cache is an LRU over GPU block ids with reference counts: a block
 used by a running request is out of the LRU and cannot be evicted. A request is
@@ -57,6 +73,7 @@ class GpuPrefixCache:
         self.refs = [0] * num_blocks
         self.lru: OrderedDict[int, None] = OrderedDict()  # unreferenced cached gids, oldest first
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.dead: set[int] = set()  # cached gids of released sessions: evicted without a store
 
     def leading_hits(self, keys: Sequence[bytes]) -> int:
         n = 0
@@ -66,8 +83,12 @@ class GpuPrefixCache:
             n += 1
         return n
 
-    def try_acquire(self, keys: Sequence[bytes]) -> tuple[int, list[int]] | None:
-        """Pin the leading hits and allocate blocks for the rest, or change nothing (None)."""
+    def try_acquire(self, keys: Sequence[bytes]) -> tuple[int, list[int], list[tuple[bytes, int]]] | None:
+        """Pin the leading hits and allocate blocks for the rest, or change nothing (None).
+
+        Also returns the cached blocks evicted for the allocation, oldest first, as
+        (key, gid): their gids now belong to this request, their bytes are still intact.
+        """
         hits = self.leading_hits(keys)
         hit_ids = [self.cached[k] for k in keys[:hits]]
         need = len(keys) - hits
@@ -76,34 +97,53 @@ class GpuPrefixCache:
             return None
         for gid in hit_ids:
             self._ref(gid)
-        new_ids = [self._allocate() for _ in range(need)]
+        evicted: list[tuple[bytes, int]] = []
+        new_ids = [self._allocate(evicted) for _ in range(need)]
         for gid in new_ids:
             self.refs[gid] = 1
-        return hits, hit_ids + new_ids
+        return hits, hit_ids + new_ids, evicted
 
     def _ref(self, gid: int) -> None:
         if self.refs[gid] == 0:
             del self.lru[gid]
+            self.dead.discard(gid)  # reused after all
         self.refs[gid] += 1
 
-    def _allocate(self) -> int:
+    def _allocate(self, evicted: list[tuple[bytes, int]]) -> int:
         if self.free:
             return self.free.pop()
         gid, _ = self.lru.popitem(last=False)
-        del self.cached[self.gid_key[gid]]  # type: ignore[arg-type]
+        key = self.gid_key[gid]
+        del self.cached[key]  # type: ignore[arg-type]
         self.gid_key[gid] = None
+        if gid in self.dead:
+            self.dead.discard(gid)
+        else:
+            evicted.append((key, gid))  # type: ignore[arg-type]
         return gid
 
-    def finish(self, keys: Sequence[bytes], gids: Sequence[int], publish: bool) -> None:
-        """Drop the request's references, last block first, publishing its blocks if ``publish``."""
-        for key, gid in zip(reversed(keys), reversed(gids), strict=True):
+    def publish(self, keys: Sequence[bytes], gids: Sequence[int]) -> None:
+        """Make a running request's blocks visible as soon as their bytes are valid (still referenced).
+
+        A concurrent request then hits them here instead of missing them everywhere: an
+        exclusive load already made the cache's copies the first to go.
+        """
+        for key, gid in zip(keys, gids, strict=True):
+            if key not in self.cached:
+                self.cached[key] = gid
+                self.gid_key[gid] = key
+
+    def finish(self, keys: Sequence[bytes], gids: Sequence[int], publish: int) -> None:
+        """Drop the request's references, last block first, publishing its first ``publish`` blocks."""
+        for i in range(len(keys) - 1, -1, -1):
+            key, gid = keys[i], gids[i]
             owner = self.cached.get(key)
             if owner == gid:
                 self.refs[gid] -= 1
                 if self.refs[gid] == 0:
                     self.lru[gid] = None
-            elif owner is not None or not publish:
-                # A concurrent request published this key first (or we failed): give ours back.
+            elif owner is not None or i >= publish:
+                # A concurrent request published this key first (or it is not to be kept): give ours back.
                 self.refs[gid] = 0
                 self.free.append(gid)
                 if owner is not None and owner in self.lru:
@@ -114,6 +154,15 @@ class GpuPrefixCache:
                 self.refs[gid] = 0
                 self.lru[gid] = None
 
+    def release(self, keys: Sequence[bytes]) -> None:
+        """Blocks of an ended session: first to be evicted, and not worth storing when they are."""
+        for key in reversed(keys):
+            gid = self.cached.get(key)
+            if gid is not None:
+                self.dead.add(gid)
+                if gid in self.lru:
+                    self.lru.move_to_end(gid, last=False)
+
 
 # -- stats --------------------------------------------------------------------------------
 @dataclass
@@ -123,13 +172,17 @@ class EngineStats:
     hits_gpu: int = 0
     hits_cpu: int = 0
     hits_disk: int = 0
+    hits_pending: int = 0  # in flight at lookup time (being stored or promoted), loaded once landed
     computed: int = 0
     truncated: int = 0  # blocks past num_blocks of a request longer than the GPU
     stored: int = 0
     deduped: int = 0
     store_in_flight: int = 0
     store_skipped: int = 0
-    lookup_in_flight: int = 0  # lookups that stopped at a block still being stored
+    demoted: int = 0  # of ``stored``: blocks stored when the GPU evicted them (exclusive mode)
+    partial_dropped: int = 0  # partial last blocks never published or stored
+    released: int = 0  # blocks of ended sessions made first eviction candidates
+    lookup_in_flight: int = 0  # lookups whose run included blocks still in flight (load waits for them)
     verified: int = 0
     corrupt: int = 0
     load_latency: list[float] = field(default_factory=list)
@@ -140,11 +193,24 @@ class EngineStats:
 class EngineEmulator:
     """Runs requests against ``cache``; ``regions`` are the KV tensors the cache's layout binds."""
 
-    def __init__(self, cache: TieredKVCache, regions: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        cache: TieredKVCache,
+        regions: Sequence[torch.Tensor],
+        *,
+        exclusive: bool = True,
+        drop_partial: bool = True,
+        block_tokens: int = 512,
+        hints: bool = False,
+    ) -> None:
         self.cache = cache
         self.regions = list(regions)
         self.device = self.regions[0].device
         self.gpu = GpuPrefixCache(self.regions[0].shape[0])
+        self.exclusive = exclusive
+        self.drop_partial = drop_partial
+        self.block_tokens = block_tokens
+        self.hints = hints
         self.stats = EngineStats()
         self._admission = asyncio.Lock()  # FIFO: a long request is not starved by short ones
         self._freed = asyncio.Event()
@@ -176,7 +242,7 @@ class EngineEmulator:
         return bad.nonzero().flatten().tolist()
 
     # -- admission ---------------------------------------------------------------------------
-    async def _admit(self, keys: Sequence[bytes]) -> tuple[int, list[int]]:
+    async def _admit(self, keys: Sequence[bytes]) -> tuple[int, list[int], list[tuple[bytes, int]]]:
         async with self._admission:
             while True:
                 grant = self.gpu.try_acquire(keys)
@@ -184,6 +250,21 @@ class EngineEmulator:
                     return grant
                 self._freed.clear()
                 await self._freed.wait()
+
+    async def _demote(self, evicted: list[tuple[bytes, int]]) -> None:
+        """Store the blocks the GPU evicted, before their GPU blocks are rewritten (exclusive mode)."""
+        # Newest first: the cache makes the first key of a call the most recent.
+        keys = [k for k, _ in reversed(evicted)]
+        gids = [g for _, g in reversed(evicted)]
+        t0 = time.perf_counter()
+        res = await self.cache.store(keys, gids)
+        s = self.stats
+        s.store_latency.append(time.perf_counter() - t0)
+        s.stored += res.stored
+        s.demoted += res.stored
+        s.deduped += res.deduped
+        s.store_in_flight += res.in_flight
+        s.store_skipped += res.skipped
 
     def _tiers(self, keys: Sequence[bytes]) -> list[str]:
         """Tier of each key of a lookup's leading run, read in the same loop step as the lookup."""
@@ -195,23 +276,40 @@ class EngineEmulator:
         ids = req.hash_ids
         s.requests += 1
         s.block_refs += len(ids)
+        publish = len(ids)
+        if self.drop_partial and req.input_length % self.block_tokens:
+            publish -= 1  # the partial last block is never reused as such
+            s.partial_dropped += 1
         if len(ids) > self.gpu.num_blocks:
             # Cut before hashing: a chained key depends only on the ids before it.
             s.truncated += len(ids) - self.gpu.num_blocks
             ids = ids[: self.gpu.num_blocks]
+            publish = min(publish, len(ids))
         keys = self.cache.keyer.keys_for_block_ids(ids)  # unsigned 64-bit ids are fine
         if not keys:
             return
-        n_gpu, gids = await self._admit(keys)
+        n_gpu, gids, evicted = await self._admit(keys)
         ok = False
         try:
-            await self._serve(keys, gids, n_gpu)
+            # Touched before the GPU's victims go down: the blocks this request will load must
+            # not be pushed out by its own demotions (a flat LRU looks them up before inserting).
+            if self.hints and req.session is not None:
+                self.cache.touch(keys[:publish], session=req.session)
+            else:
+                self.cache.touch(keys[n_gpu:publish])
+            if evicted and self.exclusive:
+                await self._demote(evicted)
+            await self._serve(keys, gids, n_gpu, publish)
             ok = True
         finally:
-            self.gpu.finish(keys, gids, publish=ok)
+            self.gpu.finish(keys, gids, publish if ok else 0)
+            if ok and self.hints and req.session is not None and req.last_turn:
+                dead = self.cache.release(req.session)
+                self.gpu.release(dead)
+                s.released += len(dead)
             self._freed.set()
 
-    async def _serve(self, keys: list[bytes], gids: list[int], n_gpu: int) -> None:
+    async def _serve(self, keys: list[bytes], gids: list[int], n_gpu: int, publish: int) -> None:
         s = self.stats
         cache = self.cache
         s.hits_gpu += n_gpu
@@ -224,7 +322,7 @@ class EngineEmulator:
         n = 0
         if hit.total:
             t0 = time.perf_counter()
-            n = await cache.load(rest[: hit.total], rest_ids[: hit.total])
+            n = await cache.load(rest[: hit.total], rest_ids[: hit.total], exclusive=self.exclusive)
             s.load_latency.append(time.perf_counter() - t0)
         if n:
             bad = await self._on_compute(self._check, rest[:n], rest_ids[:n])
@@ -235,15 +333,21 @@ class EngineEmulator:
                 served[i] = "corrupt"  # served wrong bytes: not a hit; recomputed below
             s.hits_cpu += served.count("cpu")
             s.hits_disk += served.count("disk")
+            s.hits_pending += served.count("")  # was in flight at lookup, loaded once it landed
             if bad:
                 await self._on_compute(self._write, [rest[i] for i in bad], [rest_ids[i] for i in bad])
+            self.gpu.publish(rest[:n], rest_ids[:n])
         new, new_ids = rest[n:], rest_ids[n:]
         if not new:
             return
         await self._on_compute(self._write, new, new_ids)
         s.computed += len(new)
+        keep = max(0, publish - n_gpu - n)  # computed blocks worth keeping (not the partial last one)
+        self.gpu.publish(new[:keep], new_ids[:keep])
+        if self.exclusive or not keep:
+            return  # stored when the GPU evicts them
         t0 = time.perf_counter()
-        res = await cache.store(new, new_ids)
+        res = await cache.store(new[:keep], new_ids[:keep], prefix=keys[: n_gpu + n])
         s.store_latency.append(time.perf_counter() - t0)
         s.stored += res.stored
         s.deduped += res.deduped

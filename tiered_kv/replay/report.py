@@ -6,6 +6,10 @@ then CPU/disk), and only when its bytes verified. GB/s per direction is bytes
 over the summed wall time of the copies (concurrent copies overlap, so it is a
 per-copy rate, not the machine's aggregate); ``run_gb_per_s`` is bytes over the
 whole replay's wall time.
+
+Beside the replay, at its total_blocks (GPU + CPU + disk slots), stand the flat
+single-tier yardsticks: LRU as is and with partial last blocks dropped, every
+registered policy with them dropped, Belady both ways, and the unbounded cache.
 """
 
 from __future__ import annotations
@@ -16,8 +20,7 @@ from ..metrics import DIRECTIONS
 from ..sizes import format_size
 from .run import ReplayResult
 from .simulate import SimResult
-
-TRACE_BLOCK_TOKENS = 512  # Mooncake hash_ids and the built-in workload use 512-token blocks
+from .sizing import TierSplit
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -37,11 +40,17 @@ def _latency(values: list[float]) -> dict[str, Any]:
 
 
 def build_report(
-    result: ReplayResult, sims: dict[str, SimResult], *, workload: str, unique: int | None = None
+    result: ReplayResult,
+    sims: dict[str, SimResult],
+    *,
+    workload: str,
+    unique: int | None = None,
+    split: TierSplit | None = None,
 ) -> dict[str, Any]:
     s, m = result.stats, result.metrics
     refs = s.block_refs
-    hits = {"gpu": s.hits_gpu, "cpu": s.hits_cpu, "disk": s.hits_disk}
+    # pending: blocks in flight (being stored or promoted) at lookup, loaded once they landed
+    hits = {"gpu": s.hits_gpu, "cpu": s.hits_cpu, "disk": s.hits_disk, "pending": s.hits_pending}
     total_hits = sum(hits.values())
     transfers = {}
     for d in DIRECTIONS:
@@ -60,12 +69,18 @@ def build_report(
         "requests": s.requests,
         "block_refs": refs,
         "unique_blocks": unique,
+        "policy": result.policy,
+        "concurrency": result.concurrency,
+        "hints": result.hints,
+        "drop_partial": result.drop_partial,
+        "block_tokens": result.block_tokens,
+        "capacity_share": None if split is None else split.as_dict(),
         "hit_rate": {
             "total": total_hits / refs if refs else 0.0,
             **{t: n / refs if refs else 0.0 for t, n in hits.items()},
         },
         "hit_blocks": {"total": total_hits, **hits},
-        "tokens_not_recomputed": total_hits * TRACE_BLOCK_TOKENS,
+        "tokens_not_recomputed": total_hits * result.block_tokens,
         "computed_blocks": s.computed,
         "truncated_blocks": s.truncated,
         "transfers": transfers,
@@ -75,6 +90,9 @@ def build_report(
             "deduped": s.deduped,
             "in_flight": s.store_in_flight,
             "skipped": s.store_skipped,
+            "demoted": s.demoted,
+            "partial_dropped": s.partial_dropped,
+            "released": s.released,
         },
         "spills": int(m.get("tiered_kv_spills_total", 0.0)),
         "evictions": {t: int(m.get(f"tiered_kv_evictions_total{{{t}}}", 0.0)) for t in ("cpu", "disk")},
@@ -122,9 +140,20 @@ def print_report(report: dict[str, Any], console=None) -> None:
         f"gpu {cap['gpu_blocks']:,} + cpu {cap['cpu_slots']:,} + disk {cap['disk_slots']:,} = {cap['total_blocks']:,}"
         f" x {format_size(cap['bytes_per_block'])}",
     )
+    t.add_row(
+        "policy / concurrency / hints / drop partial",
+        f"{r['policy']} / {r['concurrency']} / {'on' if r['hints'] else 'off'} / {'on' if r['drop_partial'] else 'off'}",
+    )
+    if r["capacity_share"]:
+        t.add_row("capacity share", f"{r['capacity_share']['share']:g} of {r['unique_blocks']:,} unique blocks")
     t.add_row("hit rate (block-weighted, prefix)", f"{hr['total']:.1%}")
-    for tier in ("gpu", "cpu", "disk"):
+    for tier in ("gpu", "cpu", "disk", "pending"):
         t.add_row(f"  {tier}", f"{hr[tier]:.1%}  ({hb[tier]:,} blocks)")
+    st = r["store"]
+    t.add_row(
+        "stored (demoted) / partial dropped / released",
+        f"{st['stored']:,} ({st['demoted']:,}) / {st['partial_dropped']:,} / {st['released']:,}",
+    )
     t.add_row("tokens not recomputed", f"{r['tokens_not_recomputed']:,}")
     for d, x in r["transfers"].items():
         rate = "-" if x["gb_per_s"] is None else f"{x['gb_per_s']:.3g} GB/s per copy, {x['run_gb_per_s']:.3g} over the run"
@@ -144,13 +173,31 @@ def print_report(report: dict[str, Any], console=None) -> None:
     t.add_row("wall time", f"{r['wall_s']:.1f} s")
     console.print(t)
 
-    sim = Table(title="same requests, same total capacity, single tier (simulated)")
-    sim.add_column("policy")
-    sim.add_column("capacity (blocks)", justify="right")
-    sim.add_column("hit rate", justify="right")
-    sim.add_row("tiered_kv (this replay)", f"{cap['total_blocks']:,}", f"{hr['total']:.1%}")
-    for name, x in r["simulated"].items():
-        sim.add_row(name, f"{x['capacity_blocks']:,}", f"{x['hit_rate']:.1%}")
-    console.print(sim)
+    console.print(yardstick_table(r))
     if r["corrupt_blocks"]:
         console.print(f"[bold red]{r['corrupt_blocks']} corrupt block(s) were served[/]")
+
+
+YARDSTICK_NAMES = {"unbounded": "unbounded (no eviction)"}
+
+
+def yardstick_table(r: dict[str, Any]):
+    """The replay beside the flat simulators at the same total blocks."""
+    from rich.table import Table
+
+    hr, cap = r["hit_rate"], r["capacity"]
+    t = Table(title="same requests, same total blocks: this replay and flat single-tier caches (simulated)")
+    t.add_column("cache")
+    t.add_column("blocks", justify="right")
+    t.add_column("hit rate", justify="right")
+    t.add_column("gpu / cpu / disk / pending", justify="right")
+    t.add_row(
+        f"tiered_kv replay ({r['policy']})",
+        f"{cap['total_blocks']:,}",
+        f"{hr['total']:.1%}",
+        f"{hr['gpu']:.1%} / {hr['cpu']:.1%} / {hr['disk']:.1%} / {hr['pending']:.1%}",
+    )
+    for name, x in r["simulated"].items():
+        label = YARDSTICK_NAMES.get(name, f"flat {name.replace('_drop_partial', ' + drop partial')}")
+        t.add_row(label, f"{x['capacity_blocks']:,}", f"{x['hit_rate']:.1%}", "")
+    return t

@@ -5,6 +5,11 @@ TieredKVCache over them on its own event loop (uvloop when importable), replays
 the requests and returns a ReplayResult. By default the disk tier lives in a
 fresh ``<tiers.disk.path>/replay-<pid>`` directory removed afterwards, so a
 stale namespace from an earlier run cannot serve disk hits from the first request.
+
+Block tokens have one source: BLOCK_TOKENS, the size of a Mooncake ``hash_ids``
+block and the size the built-in workload is generated with. It travels with the
+replay (``ReplayResult.block_tokens``) to the emulator (which of a request's
+blocks is partial), the simulators and the report.
 """
 
 from __future__ import annotations
@@ -22,17 +27,22 @@ from typing import Any
 import torch
 
 from ..cache import TieredKVCache
+from ..capacity import tier_slots
 from ..config import PLACEHOLDER_MODEL_ID, Config, load_config, read_config_data, validate_config
-from ..errors import ConfigError
+from ..errors import ConfigError, LayoutError
 from ..host_checks import mem_available
 from ..layout import KVLayout
+from ..policy import POLICIES
 from ..sizes import format_size
+from . import simulate as sim
 from .engine import EngineEmulator, EngineStats, run_requests
-from .simulate import SimResult, simulate_belady, simulate_lru, simulate_unbounded
+from .sizing import TierSplit, longest_request, split_capacity
 from .trace import Request, read_trace
 from .workload import chat_workload
 
 log = logging.getLogger(__name__)
+
+BLOCK_TOKENS = 512  # tokens per hash_ids block: Mooncake traces (their README) and the built-in workload
 
 
 @dataclass
@@ -45,6 +55,11 @@ class ReplayResult:
     disk_slots: int
     bytes_per_block: int
     device: str
+    block_tokens: int = BLOCK_TOKENS
+    policy: str = "lru"
+    concurrency: int = 1
+    hints: bool = False
+    drop_partial: bool = True
 
     @property
     def total_blocks(self) -> int:
@@ -59,8 +74,14 @@ def resolve_config(
     concurrency: int | None = None,
     speed: float | None = None,
     max_requests: int | None = None,
+    policy: str | None = None,
+    hints: bool | None = None,
+    drop_partial: bool | None = None,
 ) -> Config:
     """The config with CLI overrides applied; ``replay.block_bytes`` replaces the model geometry.
+
+    ``policy`` replaces ``eviction.policy`` and is validated there (a ConfigError names the
+    allowed policies), so a newly registered policy needs no change here.
 
     A config that leaves ``model.model_id`` at the placeholder may still run a disk tier
     here: the replay's bytes are synthetic and its disk directory is fresh per run.
@@ -80,9 +101,13 @@ def resolve_config(
         ("concurrency", concurrency),
         ("speed", speed),
         ("max_requests", max_requests),
+        ("hints", hints),
+        ("drop_partial", drop_partial),
     ):
         if value is not None:
             data["replay"][name] = value
+    if policy is not None:
+        data["eviction"]["policy"] = policy
     cfg = validate_config(data, "command-line options")  # a ConfigError names replay.<key>
     if cfg.replay.block_bytes is not None:
         m = cfg.model
@@ -113,7 +138,7 @@ def load_requests(cfg: Config, trace: str | os.PathLike[str] | None = None) -> l
         requests = read_trace(trace, max_requests=cap)
     else:
         n = cfg.replay.num_requests if cap is None else min(cap, cfg.replay.num_requests)
-        requests = chat_workload(n, seed=cfg.replay.seed)
+        requests = chat_workload(n, seed=cfg.replay.seed, block_tokens=BLOCK_TOKENS)
     check_pacing(requests, cfg.replay.speed)
     return requests
 
@@ -133,6 +158,32 @@ def check_pacing(requests: Sequence[Request], speed: float) -> None:
             f"replay.speed: {speed!r} would pace this trace's {span_s:.6g} s over {wait_s:.3g} s, more than "
             f"{MAX_PACED_S:.0f} s (one day); use speed >= {span_s / MAX_PACED_S:.3g}, or 0 for as fast as possible"
         )
+
+
+def with_capacity_share(cfg: Config, requests: Sequence[Request], share: float) -> tuple[Config, TierSplit]:
+    """``cfg`` with its tiers sized as ``share`` of the requests' unique blocks (see sizing.py).
+
+    Capacities are exact multiples of bytes_per_block, so the tiers' slot counts
+    (capacity // bytes_per_block) add up to the split's total. The config is validated
+    again: the memory and disk-space checks still apply to the new sizes.
+    """
+    split = split_capacity(sim.unique_blocks(requests), longest_request(requests), share)
+    bpb = cfg.bytes_per_block
+    data = cfg.model_dump()
+    data["gpu"]["num_blocks"] = split.gpu
+    data["tiers"]["cpu"]["capacity"] = split.cpu * bpb
+    data["tiers"]["disk"]["enabled"] = True
+    data["tiers"]["disk"]["capacity"] = split.disk * bpb
+    sized = validate_config(data, f"--capacity-share {share:g}")
+    # The cache derives its slots this way (tier_slots over the layout): check they add up.
+    layout = KVLayout.from_block_bytes(sized.model.region_block_bytes(), sized.gpu.num_blocks)
+    slots = sized.gpu.num_blocks + sum(tier_slots(sized, layout).values())
+    if slots != split.total:
+        raise LayoutError(
+            f"--capacity-share {share:g}: sized {split.total} blocks but the tiers hold {slots} slots "
+            f"of {layout.bytes_per_block} bytes"
+        )
+    return sized, split
 
 
 def with_disk_path(cfg: Config, path: str) -> Config:
@@ -187,6 +238,7 @@ async def replay_async(
     on_done: Callable[[], None] | None = None,
     metrics_port: int | None = None,
     before_close: Callable[[EngineEmulator], Coroutine[Any, Any, None]] | None = None,
+    block_tokens: int = BLOCK_TOKENS,
 ) -> ReplayResult:
     """Replay ``requests`` through a real cache; ``cfg.tiers.disk.path`` is used as given."""
     check_pacing(requests, cfg.replay.speed)
@@ -205,7 +257,13 @@ async def replay_async(
     engine: EngineEmulator | None = None
     try:
         async with cache:
-            engine = EngineEmulator(cache, layout.regions)
+            engine = EngineEmulator(
+                cache,
+                layout.regions,
+                hints=cfg.replay.hints,
+                drop_partial=cfg.replay.drop_partial,
+                block_tokens=block_tokens,
+            )
             t0 = time.perf_counter()
             await run_requests(
                 engine, requests, concurrency=cfg.replay.concurrency, speed=cfg.replay.speed, on_done=on_done
@@ -229,6 +287,11 @@ async def replay_async(
         disk_slots=stats["disk"]["slots"] if "disk" in stats else 0,
         bytes_per_block=layout.bytes_per_block,
         device=str(layout.device),
+        block_tokens=block_tokens,
+        policy=cfg.eviction.policy,
+        concurrency=cfg.replay.concurrency,
+        hints=cfg.replay.hints,
+        drop_partial=cfg.replay.drop_partial,
     )
 
 
@@ -248,6 +311,7 @@ def run_replay(
     keep_disk: bool = False,
     on_done: Callable[[], None] | None = None,
     metrics_port: int | None = None,
+    block_tokens: int = BLOCK_TOKENS,
 ) -> ReplayResult:
     """Replay on a fresh disk directory (removed afterwards) unless ``keep_disk``.
 
@@ -263,7 +327,9 @@ def run_replay(
         shutil.rmtree(fresh, ignore_errors=True)  # left by a killed run whose pid we now reuse
         cfg = with_disk_path(cfg, str(fresh))
     try:
-        return run_async(replay_async(cfg, requests, on_done=on_done, metrics_port=metrics_port))
+        return run_async(
+            replay_async(cfg, requests, on_done=on_done, metrics_port=metrics_port, block_tokens=block_tokens)
+        )
     finally:
         if fresh is not None:
             shutil.rmtree(fresh, ignore_errors=True)
@@ -288,10 +354,23 @@ def _remove_if_empty(path: Path) -> None:
         pass
 
 
-def simulate(requests: Sequence[Request], capacity_blocks: int) -> dict[str, SimResult]:
-    """Single-tier yardsticks at ``capacity_blocks`` (the replay's gpu + cpu + disk slots)."""
-    return {
-        "lru": simulate_lru(requests, capacity_blocks),
-        "belady": simulate_belady(requests, capacity_blocks),
-        "unbounded": simulate_unbounded(requests),
+def simulate(
+    requests: Sequence[Request], capacity_blocks: int, *, block_tokens: int = BLOCK_TOKENS
+) -> dict[str, sim.SimResult]:
+    """Single-tier yardsticks at ``capacity_blocks`` (the replay's gpu + cpu + disk slots).
+
+    Flat LRU as is and with partial last blocks dropped, every registered eviction policy
+    with them dropped, Belady both ways, and the unbounded cache.
+    """
+    drop = {"drop_partial": True, "block_tokens": block_tokens}
+    out = {
+        "lru": sim.simulate_lru(requests, capacity_blocks, block_tokens=block_tokens),
+        "lru_drop_partial": sim.simulate_lru(requests, capacity_blocks, **drop),
     }
+    for name in POLICIES:
+        if name != "lru":
+            out[f"{name}_drop_partial"] = sim.simulate_policy(requests, capacity_blocks, name, **drop)
+    out["belady"] = sim.simulate_belady(requests, capacity_blocks, block_tokens=block_tokens)
+    out["belady_drop_partial"] = sim.simulate_belady(requests, capacity_blocks, **drop)
+    out["unbounded"] = sim.simulate_unbounded(requests)
+    return out

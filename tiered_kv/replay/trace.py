@@ -38,6 +38,10 @@ class Request:
     input_length: int  # tokens
     output_length: int  # tokens
     hash_ids: tuple[int, ...]  # chained prefix block ids
+    # Sessions (the built-in chat workload sets them; a trace has none): the frontend's
+    # knowledge of which conversation a request continues, and whether it is its last turn.
+    session: int | None = None
+    last_turn: bool = False
 
 
 def _is_int(value: object) -> bool:

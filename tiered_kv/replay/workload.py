@@ -10,6 +10,10 @@ What it models, and why each part matters for a KV cache:
   weight; cold conversations come back after long gaps, which is what separates
   LRU from the offline optimum.
 * One-off requests with unique prompts: pure misses that pollute the cache.
+* Sessions, for frontend hints: every conversation has a session id, and the
+  turn that closes it is marked ``last_turn``; a one-off is a session of its own
+  and its only turn is its last. Conversations still open when the workload
+  ends have no last turn (their future is unknown, as for a live frontend).
 
 Block ids are chained like real prefix hashes: a block's id is interned from
 (parent block id, the content pieces inside the block), so equal prefixes get
@@ -74,6 +78,7 @@ class _Conversation:
     segments: list[tuple[int, int]]  # the context so far, as (segment id, tokens)
     weight: float  # popularity: chance of being the next one continued
     turns_left: int
+    session: int
     tokens: int = 0
 
 
@@ -166,6 +171,7 @@ def chat_workload(
 
     open_convs: list[_Conversation] = []
     requests: list[Request] = []
+    sessions = 0  # ids in order of first appearance; drawn from no rng, so block ids do not change
     now = 0.0
     for _ in range(num_requests):
         now += rng.expovariate(1.0 / mean_interarrival_ms)
@@ -173,11 +179,14 @@ def chat_workload(
         if kind < one_off_fraction:
             segments = [new_segment(log_uniform(one_off_tokens))]  # a unique prompt: shares nothing
             reply = rng.randint(*reply_tokens)
+            session, last_turn = sessions, True
+            sessions += 1
         else:
             if not open_convs or rng.random() < new_conversation_fraction:
                 (system,) = rng.choices(system_prompts, weights=system_weights)
                 segs = [system] if system[1] else []
-                conv = _Conversation(segs, rng.paretovariate(popularity_alpha), rng.randint(*turns))
+                conv = _Conversation(segs, rng.paretovariate(popularity_alpha), rng.randint(*turns), sessions)
+                sessions += 1
                 conv.tokens = sum(n for _, n in segs)
                 open_convs.append(conv)
             else:
@@ -191,7 +200,8 @@ def chat_workload(
             # The reply joins the context of the next turn.
             conv.segments.append(new_segment(reply))
             conv.tokens += reply
-            if conv.turns_left <= 0 or conv.tokens >= max_context_tokens:
+            session, last_turn = conv.session, conv.turns_left <= 0 or conv.tokens >= max_context_tokens
+            if last_turn:
                 open_convs.remove(conv)
         input_length = sum(n for _, n in segments)
         requests.append(
@@ -200,6 +210,8 @@ def chat_workload(
                 input_length=input_length,
                 output_length=reply,
                 hash_ids=hasher.hash_ids(segments),
+                session=session,
+                last_turn=last_turn,
             )
         )
     return requests

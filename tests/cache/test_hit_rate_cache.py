@@ -1,0 +1,90 @@
+"""Issue 12 through the facade: a store of resident keys touches them, exclusive loads, continuations,
+session release, and waiting for blocks in flight."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from cache_helpers import cache_for, config, fill, holds, make_kv
+
+from tiered_kv import TieredKVError
+
+pytestmark = pytest.mark.asyncio
+
+
+async def stored(cache, kv, keys, first_id: int, **kw):
+    ids = list(range(first_id, first_id + len(keys)))
+    for gid, key in zip(ids, keys, strict=True):
+        fill(kv, gid, key)
+    return await cache.store(keys, ids, **kw)
+
+
+async def test_a_store_of_resident_keys_only_still_touches_them(device):
+    kv = make_kv(64, device)
+    async with cache_for(kv, config(cpu_blocks=4)) as cache:
+        a, b = cache.keyer.keys_for_block_ids(range(2)), cache.keyer.keys_for_block_ids(range(10, 12))
+        await stored(cache, kv, a, 0)
+        await stored(cache, kv, b, 2)
+        res = await stored(cache, kv, a, 0)  # nothing to copy: a is touched, most recent again
+        assert (res.stored, res.deduped) == (0, 2)
+        await stored(cache, kv, cache.keyer.keys_for_block_ids(range(20, 22)), 4)  # evicts the oldest: b
+        assert cache.lookup(a).total == 2 and cache.lookup(b).total == 0
+
+
+async def test_an_exclusive_load_leaves_the_cached_copy_first_to_go_and_a_store_back_revives_it(device):
+    kv = make_kv(64, device)
+    async with cache_for(kv, config(cpu_blocks=4)) as cache:
+        a, b = cache.keyer.keys_for_block_ids(range(2)), cache.keyer.keys_for_block_ids(range(10, 12))
+        await stored(cache, kv, a, 0)
+        await stored(cache, kv, b, 2)
+        assert await cache.load(b, [30, 31], exclusive=True) == 2
+        assert holds(kv, 30, b[0]) and holds(kv, 31, b[1])
+        await stored(cache, kv, cache.keyer.keys_for_block_ids(range(20, 22)), 4)
+        assert cache.lookup(b).total == 0 and cache.lookup(a).total == 2  # b went first, though newer
+        cache.check_invariants()
+
+
+async def test_a_continuation_keeps_its_head(device):
+    kv = make_kv(64, device)
+    async with cache_for(kv, config(cpu_blocks=4)) as cache:
+        chain = cache.keyer.keys_for_block_ids(range(7))
+        await stored(cache, kv, chain[:3], 0)
+        res = await stored(cache, kv, chain[3:], 3, prefix=chain[:3])
+        assert (res.stored, res.skipped) == (1, 3)
+        assert cache.lookup(chain).total == 4
+        assert await cache.load(chain[:4], [40, 41, 42, 43]) == 4
+        assert all(holds(kv, 40 + i, chain[i]) for i in range(4))
+
+
+async def test_release_makes_a_sessions_unshared_blocks_go_first(device):
+    kv = make_kv(64, device)
+    async with cache_for(kv, config(cpu_blocks=6)) as cache:
+        system = cache.keyer.keys_for_block_ids([1, 2])
+        s1 = cache.keyer.keys_for_block_ids([1, 2, 3, 4])
+        s2 = cache.keyer.keys_for_block_ids([1, 2, 5, 6])
+        await stored(cache, kv, s1, 0, session="one")
+        await stored(cache, kv, s2[2:], 4, prefix=system, session="two")
+        assert cache.release("one") == s1[2:]
+        await stored(cache, kv, cache.keyer.keys_for_block_ids(range(100, 102)), 10)
+        assert cache.lookup(s2).total == 4 and cache.lookup(s1).total == 2
+        with pytest.raises(TieredKVError, match="session"):
+            cache.release(["not", "an", "id"])
+
+
+async def test_lookup_counts_a_spill_in_flight_and_wait_for_returns_once_it_landed(tmp_path, device):
+    kv = make_kv(64, device)
+    async with cache_for(kv, config(tmp_path, cpu_blocks=2, disk_blocks=8)) as cache:
+        a, b = cache.keyer.keys_for_block_ids(range(2)), cache.keyer.keys_for_block_ids(range(10, 12))
+        await stored(cache, kv, a, 0)
+        task = asyncio.ensure_future(stored(cache, kv, b, 2))  # a is written to disk first
+        for _ in range(1000):
+            await asyncio.sleep(0)
+            if cache.lookup(a).pending or task.done():
+                break
+        first = cache.lookup(a)
+        assert (first.total, first.pending) == (2, 2) and first.in_flight  # on its way: a hit to wait for
+        done = await cache.wait_for(a)
+        assert (done.total, done.disk, done.pending) == (2, 2, 0)
+        await task
+        assert await cache.load(a, [20, 21]) == 2 and holds(kv, 20, a[0])

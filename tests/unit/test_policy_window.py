@@ -1,0 +1,171 @@
+"""The adaptive-window LRU: FIFO window, promotion on a second reference, ghost-steered target, ghost memory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tiered_kv.errors import ConfigError
+from tiered_kv.policy import WindowPolicy, make_policy
+from tiered_kv.policy.window import WindowGhosts
+
+
+def A(*slots: int) -> np.ndarray:
+    return np.array(slots, dtype=np.int64)
+
+
+def evict(pol: WindowPolicy, n: int, pinned: object = ()) -> list[int]:
+    pins = np.zeros(pol.num_slots, dtype=np.uint16)
+    pins[list(pinned)] = 1
+    return pol.evict(n, pins).tolist()
+
+
+class Tags:
+    """key_tag: the key each slot holds, written before the slot is inserted."""
+
+    def __init__(self, n: int) -> None:
+        self.tags = np.zeros(n, dtype=np.uint64)
+
+    def __call__(self, slots: np.ndarray) -> np.ndarray:
+        return self.tags[slots]
+
+    def insert(self, pol: WindowPolicy, slots: list[int], keys: list[int]) -> None:
+        self.tags[slots] = keys
+        pol.insert(np.array(slots, dtype=np.int64))
+
+
+def test_target_starts_at_half_the_slots_and_make_policy_hands_key_tag_over() -> None:
+    tags = Tags(8)
+    pol = make_policy("window", 8, key_tag=tags)
+    assert isinstance(pol, WindowPolicy) and pol.target == 4.0
+    tags.insert(pol, [0, 1], [70, 71])
+    assert evict(pol, 1) == [0]  # the window (2) is under its target, but main is empty
+    assert pol.ghost_tags() == ([70], [])  # ghosts hold the key tags, not slot ids
+    for bad in (-0.1, 1.5, True, "half"):
+        with pytest.raises(ConfigError, match="window policy: start"):
+            WindowPolicy(8, start=bad)  # type: ignore[arg-type]
+
+
+def test_the_window_is_fifo_and_a_touch_promotes_to_main() -> None:
+    pol = WindowPolicy(8)  # target 4
+    pol.insert(A(0, 1, 2, 3, 4, 5))
+    assert pol.list_sizes() == (6, 0)
+    pol.touch(A(2))  # its second reference: to main, the others keep their order
+    assert pol.list_sizes() == (5, 1)
+    # Window 5 > target 4: its FIFO head goes first; then main's LRU end; then the window again.
+    assert pol.order() == [0, 2, 1, 3, 4, 5]
+    pol.touch(A(2))  # a touch in main is a plain LRU touch: no change in the areas
+    assert pol.list_sizes() == (5, 1)
+    assert evict(pol, 2) == [0, 2]
+    assert pol.list_sizes() == (4, 0) and pol.ghost_sizes() == (1, 1)
+
+
+def test_touches_do_not_reorder_the_window_but_lift_slots_out_of_it() -> None:
+    pol = WindowPolicy(6, start=1.0)  # the window may hold everything: eviction order is its FIFO
+    pol.insert(A(3, 1, 4, 0))
+    assert pol.order() == [3, 1, 4, 0]
+    pol.touch(A(4, 3))  # both move to main (most recent: 3), the window keeps 1, 0 in order
+    assert pol.list_sizes() == (2, 2)
+    assert evict(pol, 4) == [4, 3, 1, 0]  # the window (2) is under its target (6): main's LRU end first
+
+
+def test_window_ghost_hit_grows_the_target_and_main_ghost_hit_shrinks_it() -> None:
+    tags = Tags(8)
+    pol = WindowPolicy(8, key_tag=tags)  # target 4
+    tags.insert(pol, list(range(8)), [100 + s for s in range(8)])
+    pol.touch(A(6, 7))  # main: 6, 7
+    assert evict(pol, 3) == [0, 1, 6]  # window 6 > 4: 0, 1; then main's LRU end
+    assert pol.ghost_tags() == ([100, 101], [106])
+    tags.insert(pol, [0], [100])  # a window ghost: straight into main, the window was too small
+    assert pol.target == 4.0 + 1.0 and pol.list_sizes() == (4, 2)
+    assert pol.ghost_tags() == ([101], [106])
+    tags.insert(pol, [1], [106])  # a main ghost: main was too small; |B1| / |B2| = 1 -> step 1
+    assert pol.target == 4.0 and pol.list_sizes() == (4, 3)
+    tags.insert(pol, [6], [999])  # no ghost: into the window, target unchanged
+    assert pol.target == 4.0 and pol.list_sizes() == (5, 3)
+
+
+def test_steps_follow_the_ghost_size_ratio_once_per_batch() -> None:
+    tags = Tags(16)
+    pol = WindowPolicy(16, key_tag=tags, start=0.0)
+    tags.insert(pol, list(range(16)), list(range(16)))
+    pol.touch(np.arange(6))  # main 0..5, window 6..15
+    assert evict(pol, 10) == list(range(6, 16))  # target 0: the whole window goes first -> B1 holds 8 (bound)
+    assert evict(pol, 2) == [0, 1]  # main -> B2
+    assert pol.ghost_sizes() == (8, 2)
+    # Two window-ghost hits, one main-ghost hit and a repeat of a ghost's tag (counted once) in one batch:
+    # grow = max(1, 2 / 8) = 1, shrink = max(1, 8 / 2) = 4 (sizes at the batch's start).
+    tags.insert(pol, [6, 7, 8, 9], [10, 11, 0, 10])
+    assert pol.target == 0.0  # 0 + 2 * 1 - 1 * 4, clipped at 0
+    assert pol.list_sizes() == (1, 7)  # the repeated tag's second slot is new: the window
+    tags.insert(pol, [10], [12])
+    assert pol.target == 1.0  # grow = max(1, 1 / 6)
+
+
+def test_each_ghost_list_keeps_half_the_slots() -> None:
+    tags = Tags(8)
+    pol = WindowPolicy(8, key_tag=tags)
+    for round_ in range(5):
+        keys = [1000 * round_ + s for s in range(8)]
+        tags.insert(pol, list(range(8)), keys)
+        if round_ % 2:
+            pol.touch(np.arange(8))
+        evict(pol, 8)
+        b1, b2 = pol.ghost_sizes()
+        assert b1 <= 4 and b2 <= 4
+    assert pol.ghost_sizes() == (4, 4)
+
+
+def test_never_evicts_pinned_and_evict_is_atomic() -> None:
+    tags = Tags(12)
+    pol = WindowPolicy(12, key_tag=tags)
+    tags.insert(pol, list(range(10)), [50 + s for s in range(10)])
+    pol.touch(A(1, 3, 5))
+    pinned = {0, 2, 3, 7, 8}
+    before = (pol.order(), pol.target, pol.ghost_tags(), pol.list_sizes())
+    assert evict(pol, 6, pinned) == []  # only 5 unpinned: nothing happens
+    assert (pol.order(), pol.target, pol.ghost_tags(), pol.list_sizes()) == before
+    victims = evict(pol, 5, pinned)
+    assert sorted(victims) == [1, 4, 5, 6, 9] and not pinned & set(victims)
+    assert all(s not in pol for s in victims) and len(pol) == 5
+
+
+def test_memory_per_ghost_at_the_bound() -> None:
+    n = 250_000
+    pol = WindowPolicy(n)
+    pol.insert(np.arange(n))
+    pol.touch(np.arange(0, n, 2))  # half of them to main
+    pol.evict(n, np.zeros(n, dtype=np.uint8))  # every tag a ghost, each list at its bound
+    ghosts = sum(pol.ghost_sizes())
+    assert ghosts == n
+    per_ghost = pol.ghost_nbytes / ghosts
+    print(f"window: {per_ghost:.1f} bytes per ghost, {pol.nbytes / n:.1f} bytes per slot, at {n} slots")
+    assert per_ghost <= 50
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    cap=st.integers(1, 9),
+    batches=st.lists(
+        st.lists(st.tuples(st.integers(0, 30), st.integers(0, 1)), max_size=12), min_size=1, max_size=12
+    ),
+)
+def test_ghost_batches_trim_like_one_at_a_time(cap: int, batches: list[list[tuple[int, int]]]) -> None:
+    """A batch of new ghosts ends in the same lists as adding its tags one by one, under each list's bound."""
+    batched, single = WindowGhosts(cap), WindowGhosts(cap)
+    ref: list[list[int]] = [[], []]
+    bounds = (cap // 2, cap - cap // 2)
+    for batch in batches:
+        tags = np.array([t for t, _ in batch], dtype=np.uint64)
+        lids = np.array([lid for _, lid in batch], dtype=np.int64)
+        batched.add(tags, lids)
+        for t, lid in batch:
+            single.add(np.array([t], dtype=np.uint64), np.array([lid], dtype=np.int64))
+            for lst in ref:
+                if t in lst:
+                    lst.remove(t)
+            ref[lid].append(t)
+            del ref[lid][: max(0, len(ref[lid]) - bounds[lid])]
+        assert [batched.tags(0), batched.tags(1)] == [single.tags(0), single.tags(1)] == ref

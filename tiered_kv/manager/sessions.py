@@ -1,0 +1,69 @@
+"""Session hints from the frontend: which chains belong to live conversations.
+
+A frontend often knows what a trace cannot: that a conversation goes on, or
+that it has ended. ``register(session, rows)`` records a session's current
+chain (the keys of its latest request; a later turn's chain extends it and
+replaces it). ``release(session)`` forgets the session and returns the keys of
+its chain that no other live session shares: the manager makes them the first
+eviction candidates in every tier. A shared head (a system prompt) stays
+where the policy put it as long as some live session still holds it.
+
+Held per live session, bounded by ``max_sessions`` (the oldest are forgotten
+without release when more arrive) and per key of a live chain by a reference
+count; nothing here is per resident block.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+
+import numpy as np
+
+EMPTY_ROWS = np.zeros((0, 0), dtype=np.uint8)
+
+
+class Sessions:
+    """Live sessions' chains and how many live sessions hold each key."""
+
+    def __init__(self, key_bytes: int, max_sessions: int = 1 << 16) -> None:
+        self.key_bytes = key_bytes
+        self.max_sessions = max_sessions
+        self._chains: OrderedDict[Hashable, np.ndarray] = OrderedDict()
+        self._refs: dict[bytes, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._chains)
+
+    def __contains__(self, session: object) -> bool:
+        return session in self._chains
+
+    def register(self, session: Hashable, rows: np.ndarray) -> None:
+        """``rows`` (``uint8[n, key_bytes]``) become the session's chain; the session becomes the newest."""
+        old = self._chains.pop(session, None)
+        self._chains[session] = rows
+        self._count(rows, +1)
+        if old is not None:
+            self._count(old, -1)
+        while len(self._chains) > self.max_sessions:
+            _, dropped = self._chains.popitem(last=False)
+            self._count(dropped, -1)
+
+    def release(self, session: Hashable) -> np.ndarray:
+        """Forget the session; its chain's rows no live session holds any more (chain order)."""
+        rows = self._chains.pop(session, None)
+        if rows is None:
+            return np.zeros((0, self.key_bytes), dtype=np.uint8)
+        self._count(rows, -1)
+        refs = self._refs
+        unshared = np.fromiter((bytes(r) not in refs for r in rows), dtype=bool, count=len(rows))
+        return rows[unshared]
+
+    def _count(self, rows: np.ndarray, delta: int) -> None:
+        refs = self._refs
+        for key in {bytes(r) for r in rows}:  # a chain names a key once; a set guards against repeats
+            n = refs.get(key, 0) + delta
+            if n > 0:
+                refs[key] = n
+            else:
+                refs.pop(key, None)

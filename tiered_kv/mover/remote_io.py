@@ -1,0 +1,61 @@
+"""Handlers for CPU <-> remote (Redis) jobs, and the remote residency they keep.
+
+A job is any batch with ``keys`` (uint8 [n, key_bytes]) and ``cpu_slots``: SpillJob for
+cpu -> remote (write-back on eviction, or write-through after a store), PromoteJob for
+remote -> cpu. Each job is one RemoteStore batch: one pipelined round trip per server.
+Neither handler raises for a server fault: the store answers False for the batch and
+degrades the tier (one WARNING, ``tiered_kv_degraded_events_total{remote}``), and the
+cache keeps serving from GPU, CPU and disk. A block that fails verification is a miss
+and is dropped from the residency filter; a block not answered (a fault) is kept there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import KeyFormatError, SlotError
+from ..metrics import CacheMetrics
+from ..tiers.remote import RemoteResidency, RemoteStore
+
+
+class RemoteIO:
+    """Write (CPU -> remote) and promote (remote -> CPU) batches against one RemoteStore."""
+
+    def __init__(self, store: RemoteStore, residency: RemoteResidency, metrics: CacheMetrics) -> None:
+        self.store = store
+        self.residency = residency
+        self._metrics = metrics
+
+    @property
+    def writable(self) -> bool:
+        return not self.store.degraded
+
+    async def write(self, job: Any) -> np.ndarray:
+        try:
+            ok = await self.store.put(job.keys, job.cpu_slots)
+        except (KeyFormatError, SlotError) as e:  # the job's arrays, not the server: nothing was sent
+            self._metrics.drop("remote", "invalid_batch", len(job), str(e))
+            return np.zeros(len(job), dtype=bool)
+        if ok.any():
+            self.residency.add(job.keys[ok])
+        return ok
+
+    async def read(self, job: Any) -> np.ndarray:
+        try:
+            ok, answered = await self.store.get_answered(job.keys, job.cpu_slots)
+        except (KeyFormatError, SlotError) as e:
+            self._metrics.drop("remote", "invalid_batch", len(job), str(e))
+            return np.zeros(len(job), dtype=bool)
+        gone = answered & ~ok
+        if gone.any():
+            self.residency.discard(job.keys[gone])
+        return ok
+
+    async def probe(self, keys: np.ndarray) -> np.ndarray:
+        """Ask Redis which keys it holds (one pipelined EXISTS batch) and remember the present ones."""
+        present = await self.store.exists(keys)
+        if present.any():
+            self.residency.add(keys[present])
+        return present
