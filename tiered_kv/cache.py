@@ -19,10 +19,10 @@ from typing import Any, TypeVar
 import numpy as np
 
 from .backpressure import ByteBudget
-from .capacity import tier_slots
+from .capacity import remote_blocks, tier_slots
 from .config import Config, check_capacities, load_config
 from .errors import BlockIdError, DiskError, HintError, LayoutError
-from .identity import disk_namespace, make_keyer
+from .identity import disk_namespace, make_keyer, remote_namespace
 from .ids import check_block_ids
 from .keys import check_keys
 from .layout import KVLayout
@@ -89,6 +89,8 @@ class TieredKVCache(Lifecycle):
         self._budget = ByteBudget(cfg.transfer.max_inflight_bytes)
         self.mover = Mover(self._budget, self.metrics, layout.bytes_per_block)
         self.disk: DiskIO | None = None
+        self.remote = None  # mover.remote_io.RemoteIO while a remote tier is configured and open
+        self._probing: asyncio.Task | None = None
         self.slabs: CpuSlabs | None = None
         self._engine: CopyEngine | None = None
         self.recovered_blocks = 0
@@ -128,6 +130,16 @@ class TieredKVCache(Lifecycle):
             self.recovered_blocks = len(recovered)
             self.mover.register("cpu", "disk", self.disk.write)
             self.mover.register("disk", "cpu", self.disk.read)
+        if cfg.tiers.remote.enabled:
+            from .mover.remote_io import RemoteIO  # redis-py is an optional extra
+
+            self.remote = remote = await RemoteIO.open(
+                cfg.tiers.remote, remote_namespace(self.keyer, self.layout), self.slabs, self.metrics,
+                remote_blocks(cfg, self.layout))  # fmt: skip
+            self.mover.register("cpu", "remote", remote.write)
+            self.mover.register("remote", "cpu", remote.read)
+            self.manager.remote_known = remote.known
+            self.manager.remote_write = cfg.tiers.remote.write
 
     def _disk_degraded(self) -> None:
         self.manager.disk_writable = False
@@ -139,6 +151,11 @@ class TieredKVCache(Lifecycle):
             if self._engine is not None:
                 await self._engine.aclose()  # waits for every copy first
             drained = True
+            if self._probing is not None:
+                self._probing.cancel()
+            if self.remote is not None:
+                remote, self.remote = self.remote, None
+                await remote.aclose()
             if self.disk is not None:
                 disk, self.disk = self.disk, None
                 await disk.store.aclose()
@@ -172,7 +189,34 @@ class TieredKVCache(Lifecycle):
         m.lookups.inc(len(keys))
         m.hit["cpu"].inc(result.cpu)
         m.hit["disk"].inc(result.disk)
+        m.hit["remote"].inc(result.remote)
+        if self.remote is not None and result.total < len(keys):
+            self._probe_later(keys[result.total :])
         return result
+
+    async def probe(self, keys: Sequence[bytes]) -> LookupResult:
+        """Ask the remote tier (one pipelined round trip) which of the keys past the local run it
+        holds, then look up. Without a remote tier this is ``lookup``. Never raises for Redis faults."""
+        result = self.lookup(keys)
+        if self.remote is not None and result.total < len(keys):
+            rest = keys[result.total :]
+            await self.remote.probe(np.frombuffer(b"".join(rest), dtype=np.uint8).reshape(len(rest), -1))
+            result = self.lookup(keys)
+        return result
+
+    def _probe_later(self, keys: Sequence[bytes]) -> None:
+        """``lookup`` never waits on the network: unknown keys are probed in the background (one probe
+        at a time), so a later lookup of the same prefix, here or on the engine's next poll, sees them."""
+        if self._probing is not None and not self._probing.done():
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # called off the loop thread: nothing to schedule on
+            return
+        rows = np.frombuffer(b"".join(keys[:4096]), dtype=np.uint8).reshape(-1, self._key_bytes)
+        rows = rows[~self.remote.residency.known(rows)]
+        if len(rows) and not self.remote.store.degraded:
+            self._probing = self.spawn(self.remote.probe(rows), background=True)
 
     def touch(self, keys: Sequence[bytes], *, session: str | int | None = None) -> None:
         """Mark resident keys as used, last first, so a prefix's head is the most recent.
@@ -220,6 +264,8 @@ class TieredKVCache(Lifecycle):
             "bytes_per_block": self.layout.bytes_per_block,
             "inflight_bytes": self._budget.used,
         }
+        if self.remote is not None:
+            out["remote"] = {"known": len(self.remote.residency), "degraded": self.remote.store.degraded}
         disk = self.manager.disk
         if disk is not None:
             out["disk"] = {
@@ -346,8 +392,7 @@ class TieredKVCache(Lifecycle):
         m = self.manager
         ok = False
         try:
-            if plan.spill is not None:
-                await self._spill(plan.spill)  # the reused slots' old blocks go to disk first
+            await self._spill_victims(plan.spill, plan.remote_spill)  # the reused slots' old blocks first
             if len(plan.cpu_slots) and not op.cancelled:
                 await self.mover.run("gpu", "cpu", CopyJob(plan.gpu_ids, plan.cpu_slots))
             # A caller that gave up may already reuse its GPU blocks: what we copied
@@ -356,10 +401,31 @@ class TieredKVCache(Lifecycle):
             ok = not op.cancelled
         finally:
             write_through = m.complete_store(plan, ok)
+            remote_job = m.remote_write_job(plan) if ok and self.remote is not None else None
             self._progressed()
         if write_through is not None:
             self.spawn(self._spill(write_through), background=True)
+        if remote_job is not None:
+            self.spawn(self._write_remote(remote_job), background=True)
         return len(plan.cpu_slots) if ok else 0
+
+    async def _spill_victims(self, spill: SpillJob | None, remote_spill: SpillJob | None) -> None:
+        """Write-back of evicted slots, to disk and the remote tier at once, before the slots are reused."""
+        jobs = [job for job in (spill, remote_spill) if job is not None]
+        if len(jobs) == 2:
+            await asyncio.gather(self._spill(spill), self._write_remote(remote_spill))
+        elif spill is not None:
+            await self._spill(spill)
+        elif remote_spill is not None:
+            await self._write_remote(remote_spill)
+
+    async def _write_remote(self, job: SpillJob) -> None:
+        """CPU -> remote; never raises for Redis faults (the store degrades and answers False)."""
+        try:
+            await self.mover.run("cpu", "remote", job)
+        finally:
+            if self.manager.remote_known is not None:
+                self.manager.complete_remote_write(job)
 
     async def _spill(self, job: SpillJob) -> None:
         """CPU -> disk; the manager commits what was written. Never raises for disk faults."""
@@ -402,16 +468,19 @@ class TieredKVCache(Lifecycle):
         n = 0
         promoted = False
         try:
-            if plan.spill is not None:
-                await self._spill(plan.spill)
+            await self._spill_victims(plan.spill, plan.remote_spill)
             n = len(plan)
-            if plan.promote is not None:
-                ok = await self._promote(plan)
+            if plan.promote is not None or plan.fetch is not None:
+                got = await asyncio.gather(self._promote(plan), self._fetch(plan))
                 promoted = True
-                if ok is None:  # the read failed as a whole: a miss, but the disk copies may be fine
-                    n = m.complete_promote(plan, np.zeros(len(plan.promote), dtype=bool), corrupt=False)
-                else:
-                    n = m.complete_promote(plan, ok)
+                if plan.promote is not None:
+                    ok = got[0]
+                    if ok is None:  # the read failed as a whole: a miss, but the disk copies may be fine
+                        n = m.complete_promote(plan, np.zeros(len(plan.promote), dtype=bool), corrupt=False)
+                    else:
+                        n = m.complete_promote(plan, ok)
+                if plan.fetch is not None:
+                    n = min(n, m.complete_fetch(plan, got[1]))
                 self._progressed()
                 if m.disk_invalidate and self.disk is not None:
                     self.disk.invalidate(np.concatenate(m.disk_invalidate))
@@ -421,18 +490,26 @@ class TieredKVCache(Lifecycle):
             else:
                 n = 0
         except BaseException:
-            if plan.promote is not None and not promoted:
+            if (plan.promote is not None or plan.fetch is not None) and not promoted:
                 m.abort_load(plan)
             n = 0
             raise
         finally:
-            if plan.promote is None or promoted:
+            if (plan.promote is None and plan.fetch is None) or promoted:
                 m.complete_load(plan, n)
             self._progressed()
         return n
 
+    async def _fetch(self, plan: LoadPlan) -> np.ndarray | None:
+        """Remote -> CPU: per-block arrived-and-verified mask (a gone or bad block is a miss)."""
+        if plan.fetch is None:
+            return None
+        return await self.mover.run("remote", "cpu", plan.fetch)
+
     async def _promote(self, plan: LoadPlan) -> np.ndarray | None:
         """Per-block verification result, or None when the read failed as a whole."""
+        if plan.promote is None:
+            return None
         try:
             return await self.mover.run("disk", "cpu", plan.promote)
         except DiskError as exc:

@@ -94,3 +94,12 @@ def disk_namespace(keyer: BlockKeyer, layout: KVLayout) -> DiskNamespace:
     ns = keyer.namespace
     return DiskNamespace(ns.model_id, ns.dtype, ns.layout_digest, layout.bytes_per_block, keyer.key_bytes,
                          revision=ns.revision, shard=ns.shard)  # fmt: skip
+
+
+def remote_namespace(keyer: BlockKeyer, layout: KVLayout) -> str:
+    """The remote tier's namespace: the same facts as the disk's, plus the tenant, hashed."""
+    from .tiers.remote.format import remote_namespace as hashed  # lazily: redis is an optional extra
+
+    ns = keyer.namespace
+    return hashed(ns.model_id, ns.revision, ns.dtype, ns.layout_digest, layout.bytes_per_block,
+                  keyer.key_bytes, ns.shard, ns.tenant_salt)  # fmt: skip

@@ -21,38 +21,20 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .plans import LoadPlan, LookupResult, PromoteJob, SpillJob, StorePlan
+from .loading import LoadPlanning, key_rows, repeats
+from .plans import LookupResult, SpillJob, StorePlan
 from .sessions import Sessions
 from .tier_index import EMPTY, READY, RESERVED, TierIndex
 
 EVENT_KINDS = ("stored", "evicted", "spilled", "dropped")
 
 
-def key_rows(keys: Sequence[bytes], key_bytes: int) -> np.ndarray:
-    """The keys as one ``uint8[n, key_bytes]`` array (keys are validated by the caller)."""
-    return np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(len(keys), key_bytes)
+class TierManager(LoadPlanning):
+    """Bookkeeping for the CPU tier, an optional disk tier and an optional remote tier (loop thread only).
 
-
-def repeats(keys: Sequence[bytes]) -> np.ndarray | None:
-    """True for each key that repeats an earlier one; None when none does (the common case, checked at C speed)."""
-    if len(set(keys)) == len(keys):
-        return None
-    seen: set[bytes] = set()
-    mask = np.zeros(len(keys), dtype=bool)
-    for i, key in enumerate(keys):
-        mask[i] = key in seen
-        seen.add(key)
-    return mask
-
-
-def first_repeat(keys: Sequence[bytes]) -> int:
-    """Index of the first key that repeats an earlier one, or len(keys)."""
-    mask = repeats(keys)
-    return len(keys) if mask is None else int(np.argmax(mask))
-
-
-class TierManager:
-    """Bookkeeping for the CPU tier and an optional disk tier (loop thread only)."""
+    The remote tier has no slots here: ``remote_known(rows) -> bool[n]`` (set by the facade,
+    all False while the tier is degraded) says which keys it believes Redis holds.
+    """
 
     def __init__(
         self,
@@ -74,6 +56,9 @@ class TierManager:
         self.disk_invalidate: list[np.ndarray] = []  # disk slots dropped for good: the store forgets them
         self._on_event = on_event  # (kind, tier, count): the facade's metrics
         self.sessions = Sessions(key_bytes)
+        self.remote_known: Callable[[np.ndarray], np.ndarray] | None = None  # set by the facade
+        self.remote_write: str | None = None  # "write_through" | "write_back" when a remote tier is up
+        self._remote_spill: SpillJob | None = None  # write-back job of the last CPU eviction, for its plan
 
     # -- lookup -----------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
@@ -96,10 +81,16 @@ class TierManager:
             disk_ready[rest] = (d_s >= 0) & (d_st == READY)
             pending[rest] = (d_s >= 0) & (d_st == RESERVED)  # being spilled
         hit = cpu_ready | disk_ready | pending
+        remote = np.zeros(n, dtype=bool)
+        if self.remote_known is not None:
+            far = np.flatnonzero(~hit)
+            remote[far] = self.remote_hits(rows[far])
+            hit |= remote
         run = int(np.argmin(hit)) if not hit.all() else n
         n_cpu = int(np.count_nonzero(cpu_ready[:run]))
         n_disk = int(np.count_nonzero(disk_ready[:run]))
-        return LookupResult(run, n_cpu, n_disk, run - n_cpu - n_disk)
+        n_remote = int(np.count_nonzero(remote[:run]))
+        return LookupResult(run, n_cpu, n_disk, run - n_cpu - n_disk - n_remote, n_remote)
 
     def tiers_of(self, keys: Sequence[bytes]) -> list[str]:
         """The tier each key is READY in ("cpu", then "disk"), or "" (for reports; vectorized)."""
@@ -165,6 +156,7 @@ class TierManager:
             in_flight=int(np.count_nonzero(in_flight & ~repeated)),
             unplaced_idx=new_idx[len(slots) :],
             prefix=list(prefix),
+            remote_spill=self.take_remote_spill(),
         )
 
     def _hold_chain(self, rows, cpu_s, d_s, resident, prefix) -> tuple[np.ndarray, np.ndarray]:
@@ -257,8 +249,36 @@ class TierManager:
         victims = self.cpu.evict(min(n, self.cpu.evictable))
         if not len(victims):
             return victims, None
-        spill = self._spill_or_drop(victims, self.cpu.evicted_cold)
+        n_cold = self.cpu.evicted_cold
+        if self.remote_write == "write_back":
+            rows = self.cpu.keys.slot_keys[victims[n_cold:]]
+            fresh = ~self.remote_hits(rows)
+            if fresh.any():
+                self._remote_spill = SpillJob(rows[fresh], victims[n_cold:][fresh], EMPTY, reuse=True)
+        spill = self._spill_or_drop(victims, n_cold)
         return np.sort(victims), spill
+
+    def take_remote_spill(self) -> SpillJob | None:
+        """The write-back job to the remote tier that the last plan's evictions made (once)."""
+        job, self._remote_spill = self._remote_spill, None
+        return job
+
+    def remote_write_job(self, plan: StorePlan) -> SpillJob | None:
+        """Write-through to the remote tier: the plan's new blocks Redis is not known to hold (pinned)."""
+        if self.remote_write != "write_through" or not len(plan.cpu_slots):
+            return None
+        slots = plan.cpu_slots[self.cpu.state[plan.cpu_slots] == READY]
+        rows = self.cpu.keys.slot_keys[slots]
+        fresh = ~self.remote_hits(rows)
+        if not fresh.any():
+            return None
+        self.cpu.pin(slots[fresh])  # servable meanwhile, and not evicted while it is read
+        return SpillJob(rows[fresh], slots[fresh], EMPTY, reuse=False)
+
+    def complete_remote_write(self, job: SpillJob) -> None:
+        """A write to the remote tier ended (the residency knows what landed); release its pins."""
+        if not job.reuse:
+            self.cpu.unpin(job.cpu_slots)
 
     def _spill_or_drop(self, victims: np.ndarray, n_cold: int) -> SpillJob | None:
         """CPU victims (the first ``n_cold`` from the cold list) -> a spill job for the dirty ones.
@@ -311,114 +331,6 @@ class TierManager:
             self._event("dropped", "disk", job.keys[~ok])
         if not job.reuse:
             self.cpu.unpin(job.cpu_slots)
-
-    # -- load ------------------------------------------------------------------------
-    def prepare_load(self, keys: Sequence[bytes], max_promote: int, *, exclusive: bool = False) -> LoadPlan:
-        """Pin the leading run's CPU hits and reserve CPU slots for up to ``max_promote`` disk hits."""
-        n = first_repeat(keys)
-        if n == 0:
-            return LoadPlan(stop="miss" if len(keys) else "")
-        rows = key_rows(keys[:n], self.key_bytes)
-        cpu_s = self.cpu.keys.find(rows)
-        cpu_st = self.cpu.state[np.maximum(cpu_s, 0)]
-        cpu_ready = (cpu_s >= 0) & (cpu_st == READY)
-        pending = (cpu_s >= 0) & (cpu_st == RESERVED)
-        hit = cpu_ready.copy()
-        d_s = np.full(n, -1, dtype=np.int64)
-        if self.disk is not None:
-            rest = np.flatnonzero(cpu_s < 0)  # a key in flight into the CPU tier waits for that, even if on disk
-            found = self.disk.keys.find(rows[rest])
-            d_st = self.disk.state[np.maximum(found, 0)]
-            d_ready = (found >= 0) & (d_st == READY)
-            d_s[rest] = np.where(d_ready, found, -1)
-            hit[rest] = d_ready
-            pending[rest] |= (found >= 0) & (d_st == RESERVED)
-        run = int(np.argmin(hit)) if not hit.all() else n
-        stop = "" if run == len(keys) else ("in_flight" if run < n and pending[run] else "miss")
-        dpos = np.flatnonzero(~cpu_ready[:run])
-        want = min(len(dpos), max(0, max_promote))
-        # This chunk ends before the first disk hit it cannot promote; only its own CPU hits are
-        # pinned (before any eviction below), so hits further on never crowd out its promotions.
-        cut = int(dpos[want]) if want < len(dpos) else run
-        src = cpu_s[:cut].copy()
-        self.cpu.pin(src[cpu_ready[:cut]])
-        promote = spill = None
-        got = 0
-        if want:
-            prows = rows[dpos[:want]]
-            # Pinned first: spilling the CPU victims below must not evict (and overwrite) the
-            # very disk blocks this chunk is about to read.
-            want_dslots = d_s[dpos[:want]]
-            self.disk.pin(want_dslots)
-            slots = self.cpu.reserve(prows)
-            short = want - len(slots)
-            if short:
-                victims, spill = self._evict_cpu(short)
-                if len(victims):
-                    self.cpu.reassign(victims, prows[len(slots) : len(slots) + len(victims)])
-                    slots = np.concatenate([slots, victims])
-            got = len(slots)
-            self.disk.unpin(want_dslots[got:])
-            if got:
-                dslots = want_dslots[:got]
-                src[dpos[:got]] = slots
-                promote = PromoteJob(prows[:got], dslots, slots, dpos[:got])
-        if got < len(dpos):  # the next disk hit has no CPU slot yet: this chunk ends before it
-            end = int(dpos[got])
-            self.cpu.unpin(src[end:][cpu_ready[end:cut]])
-            src, stop = src[:end], "room"
-        return LoadPlan(src, promote, spill, stop, pinned=src[cpu_ready[: len(src)]], exclusive=exclusive)
-
-    def complete_promote(self, plan: LoadPlan, ok: np.ndarray, *, corrupt: bool = True) -> int:
-        """Commit verified promotions; the run ends at the first one that failed. Returns its length.
-
-        ``corrupt``: the failed blocks failed verification and are dropped from the disk tier;
-        False when the whole read failed (an I/O fault), which says nothing about the data.
-        """
-        job = plan.promote
-        ok = np.asarray(ok, dtype=bool)
-        self.disk.unpin(job.disk_slots)
-        good, bad = job.cpu_slots[ok], job.cpu_slots[~ok]
-        # The disk copy of a promoted block stays while it is clean and room is not short:
-        # first to go when the disk needs room, touched again if the CPU evicts the block.
-        self.disk.demote(job.disk_slots[ok])
-        self.cpu.commit(good)
-        self.cpu.pin(good)
-        plan.pinned = np.concatenate([plan.pinned, good])
-        self.cpu.abort(bad)
-        if ok.all():
-            return len(plan)
-        if not corrupt:
-            return int(job.positions[np.argmax(~ok)])
-        bad_disk = job.disk_slots[~ok]
-        droppable = bad_disk[(self.disk.pins[bad_disk] == 0) & (self.disk.state[bad_disk] == READY)]
-        if len(droppable):
-            self._event("dropped", "disk", self.disk.keys.slot_keys[droppable])
-            self.disk.drop(droppable)
-            self.disk_invalidate.append(droppable)
-        return int(job.positions[np.argmax(~ok)])
-
-    def complete_load(self, plan: LoadPlan, loaded: int) -> None:
-        """Release the plan's pins; the loaded run is touched last block first.
-
-        An exclusive load (the engine keeps the blocks and stores them back when its
-        own cache evicts them) demotes the CPU copies instead: first eviction
-        candidates, dropped rather than spilled, made recent again by that store.
-        """
-        self.cpu.unpin(plan.pinned)
-        plan.pinned = EMPTY
-        if plan.exclusive:
-            self.cpu.demote(plan.cpu_slots[:loaded][::-1])
-        else:
-            self.cpu.touch(plan.cpu_slots[:loaded][::-1])
-
-    def abort_load(self, plan: LoadPlan) -> None:
-        """Undo a plan whose promotion never ran (the mover refused it before any read)."""
-        if plan.promote is not None:
-            self.disk.unpin(plan.promote.disk_slots)
-            self.cpu.abort(plan.promote.cpu_slots)
-        self.cpu.unpin(plan.pinned)
-        plan.pinned = EMPTY
 
     # -- events ----------------------------------------------------------------------
     def _event(self, kind: str, tier: str, rows: np.ndarray) -> None:

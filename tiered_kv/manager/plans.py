@@ -13,7 +13,7 @@ from .tier_index import EMPTY
 class LookupResult:
     """Leading run of keys the caller can load, split by where each one is.
 
-    ``total = cpu + disk + pending``. ``pending`` keys are still being stored,
+    ``total = cpu + disk + pending + remote``. ``pending`` keys are still being stored,
     spilled or promoted by another call: ``load`` waits for them (and stops at
     one whose copy fails), so they count as hits the caller can wait for.
     """
@@ -22,6 +22,7 @@ class LookupResult:
     cpu: int = 0
     disk: int = 0
     pending: int = 0
+    remote: int = 0  # believed in the remote tier (a load that finds one gone stops there: a miss)
 
     @property
     def in_flight(self) -> bool:
@@ -59,6 +60,7 @@ class StorePlan:
     in_flight: int = 0  # another store or promotion of the key is in flight
     unplaced_idx: np.ndarray = field(default_factory=lambda: EMPTY)  # call positions of new keys with no slot
     prefix: list[bytes] = field(default_factory=list)  # the chain before keys[0]: touched with them
+    remote_spill: SpillJob | None = None  # write-back of the victims to the remote tier, before reuse
 
     @property
     def unplaced(self) -> int:
@@ -90,11 +92,13 @@ class LoadPlan:
     """
 
     cpu_slots: np.ndarray = field(default_factory=lambda: EMPTY)  # source slot per key of the run (pinned)
-    promote: PromoteJob | None = None
-    spill: SpillJob | None = None  # victims of the promotion's CPU slots, written first
+    promote: PromoteJob | None = None  # from disk
+    spill: SpillJob | None = None  # victims of the promotions' CPU slots, written first
     stop: str = ""
     pinned: np.ndarray = field(default_factory=lambda: EMPTY)  # CPU slots this plan holds a pin on
     exclusive: bool = False  # the engine keeps what it loads and stores it back: demote the CPU copies
+    fetch: PromoteJob | None = None  # from the remote tier (its disk_slots are empty)
+    remote_spill: SpillJob | None = None  # write-back to the remote tier of the same victims
 
     def __len__(self) -> int:
         return len(self.cpu_slots)

@@ -28,6 +28,21 @@ class RemoteIO:
         self.residency = residency
         self._metrics = metrics
 
+    @classmethod
+    async def open(cls, cfg: Any, namespace: str, slabs: Any, metrics: CacheMetrics, max_keys: int) -> RemoteIO:
+        """Connect (RemoteError naming the URL, never the password, when unreachable)."""
+        store = await RemoteStore.open(cfg, namespace, slabs, metrics)
+        return cls(store, RemoteResidency(max(1, min(max_keys, 1 << 26))), metrics)
+
+    def known(self, keys: np.ndarray) -> np.ndarray:
+        """What the synchronous lookup sees: the residency filter, or nothing while degraded."""
+        if self.store.degraded:
+            return np.zeros(len(keys), dtype=bool)
+        return self.residency.known(keys)
+
+    async def aclose(self) -> None:
+        await self.store.aclose()
+
     @property
     def writable(self) -> bool:
         return not self.store.degraded

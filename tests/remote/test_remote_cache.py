@@ -1,0 +1,81 @@
+"""The remote tier inside TieredKVCache, against a real redis-server: two processes share a prefix,
+bad values are misses, and a dead server never stops the cache serving from its own tiers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from cache_proc import cache_config, make_kv, pattern
+
+import tiered_kv as tkv
+from tiered_kv.tiers.remote.format import redis_keys
+
+HERE = Path(__file__).parent
+
+
+def holds(kv, gid: int, key: bytes) -> bool:
+    return all(torch.equal(t[gid], pattern(key, t.shape[1])) for t in kv.values())
+
+
+def open_cache(url: str, kv=None):
+    kv = kv if kv is not None else make_kv()
+    return kv, tkv.TieredKVCache(cache_config(url), tkv.KVLayout.from_tensors(kv, 64))
+
+
+def store_in_other_process(url: str, n: int) -> tuple[int, int]:
+    out = subprocess.run([sys.executable, str(HERE / "cache_proc.py"), url, str(n)], capture_output=True,
+                         text=True, timeout=120, cwd=HERE)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    stored, landed = map(int, out.stdout.split())
+    return stored, landed
+
+
+async def test_a_prefix_stored_by_one_process_loads_byte_exact_in_another(redis_server):
+    assert store_in_other_process(redis_server.url, 6) == (6, 6)
+    kv, cache = open_cache(redis_server.url)
+    async with cache:
+        keys = cache.keyer.keys_for_block_ids(range(8))
+        assert cache.lookup(keys).total == 0  # never waits on the network: unknown until probed
+        hit = await cache.probe(keys)
+        assert (hit.total, hit.remote, hit.cpu) == (6, 6, 0)
+        assert await cache.load(keys[:6], list(range(10, 16))) == 6
+        assert all(holds(kv, 10 + i, keys[i]) for i in range(6))
+        assert cache.lookup(keys).cpu == 6  # promoted into this instance's CPU tier
+        assert cache.stats()["metrics"]["tiered_kv_hit_blocks_total{remote}"] == 6
+
+
+async def test_bad_values_in_redis_are_misses_never_data(redis_server):
+    assert store_in_other_process(redis_server.url, 4) == (4, 4)
+    kv, cache = open_cache(redis_server.url)
+    async with cache:
+        keys = cache.keyer.keys_for_block_ids(range(4))
+        rows = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(4, -1)
+        rkeys = redis_keys((cache.config.tiers.remote.key_prefix + cache.remote.store.namespace + ":").encode(), rows)
+        value = redis_server.raw(b"GET", rkeys[2])
+        redis_server.raw(b"SET", rkeys[2], value[:-1] + bytes([value[-1] ^ 1]))  # one flipped bit in block 2
+        assert (await cache.probe(keys)).remote == 4
+        assert await cache.load(keys, list(range(20, 24))) == 2  # stops at the bad block: a miss
+        assert holds(kv, 20, keys[0]) and holds(kv, 21, keys[1]) and not holds(kv, 22, keys[2])
+        assert cache.lookup(keys).total == 2  # the bad block is forgotten, not offered again
+        cache.check_invariants()
+
+
+async def test_a_dead_server_degrades_the_tier_and_the_cache_keeps_serving(redis_server):
+    kv, cache = open_cache(redis_server.url)
+    async with cache:
+        keys = cache.keyer.keys_for_block_ids(range(4))
+        for i, key in enumerate(keys):
+            for t in kv.values():
+                t[i] = pattern(key, t.shape[1])
+        assert (await cache.store(keys, [0, 1, 2, 3])).stored == 4
+        redis_server.kill()
+        more = cache.keyer.keys_for_block_ids(range(100, 104))
+        assert (await cache.probe(more)).total == 0  # answers, no exception
+        assert await cache.load(keys, [30, 31, 32, 33]) == 4  # the CPU tier still serves
+        assert all(holds(kv, 30 + i, keys[i]) for i in range(4))
+        assert (await cache.store(more, [4, 5, 6, 7])).stored == 4
+        assert cache.stats()["remote"]["degraded"]

@@ -1,0 +1,182 @@
+"""The load half of the TierManager: plan a load (CPU hits pinned, disk and remote hits
+promoted into reserved CPU slots), commit the promotions, release the plan.
+
+A mixin, so the manager's state (``cpu``, ``disk``, ``remote_known``, the spill logic)
+is shared with the store half in manager.py without passing it around.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from .plans import LoadPlan, PromoteJob
+from .tier_index import EMPTY, READY, RESERVED
+
+
+def key_rows(keys: Sequence[bytes], key_bytes: int) -> np.ndarray:
+    """The keys as one ``uint8[n, key_bytes]`` array (keys are validated by the caller)."""
+    return np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(len(keys), key_bytes)
+
+
+def repeats(keys: Sequence[bytes]) -> np.ndarray | None:
+    """True for each key that repeats an earlier one; None when none does (the common case, checked at C speed)."""
+    if len(set(keys)) == len(keys):
+        return None
+    seen: set[bytes] = set()
+    mask = np.zeros(len(keys), dtype=bool)
+    for i, key in enumerate(keys):
+        mask[i] = key in seen
+        seen.add(key)
+    return mask
+
+
+def first_repeat(keys: Sequence[bytes]) -> int:
+    """Index of the first key that repeats an earlier one, or len(keys)."""
+    mask = repeats(keys)
+    return len(keys) if mask is None else int(np.argmax(mask))
+
+
+class LoadPlanning:
+    """prepare_load -> (complete_promote, complete_fetch) -> complete_load | abort_load."""
+
+    def remote_hits(self, rows: np.ndarray) -> np.ndarray:
+        """Which rows the remote tier is believed to hold (all False without one, or degraded)."""
+        known = self.remote_known
+        return known(rows) if known is not None and len(rows) else np.zeros(len(rows), dtype=bool)
+
+    def prepare_load(self, keys: Sequence[bytes], max_promote: int, *, exclusive: bool = False) -> LoadPlan:
+        """Pin the leading run's CPU hits; reserve CPU slots for up to ``max_promote`` disk or remote hits."""
+        n = first_repeat(keys)
+        if n == 0:
+            return LoadPlan(stop="miss" if len(keys) else "")
+        rows = key_rows(keys[:n], self.key_bytes)
+        cpu_s = self.cpu.keys.find(rows)
+        cpu_st = self.cpu.state[np.maximum(cpu_s, 0)]
+        cpu_ready = (cpu_s >= 0) & (cpu_st == READY)
+        pending = (cpu_s >= 0) & (cpu_st == RESERVED)
+        hit = cpu_ready.copy()
+        d_s = np.full(n, -1, dtype=np.int64)
+        rest = np.flatnonzero(cpu_s < 0)  # a key in flight into the CPU tier waits for that, even if elsewhere
+        if self.disk is not None and len(rest):
+            found = self.disk.keys.find(rows[rest])
+            d_st = self.disk.state[np.maximum(found, 0)]
+            d_ready = (found >= 0) & (d_st == READY)
+            d_s[rest] = np.where(d_ready, found, -1)
+            hit[rest] = d_ready
+            pending[rest] |= (found >= 0) & (d_st == RESERVED)
+        remote = np.zeros(n, dtype=bool)
+        far = rest[~hit[rest] & ~pending[rest]]
+        if len(far):
+            remote[far] = self.remote_hits(rows[far])
+            hit |= remote
+        run = int(np.argmin(hit)) if not hit.all() else n
+        stop = "" if run == len(keys) else ("in_flight" if run < n and pending[run] else "miss")
+        dpos = np.flatnonzero(~cpu_ready[:run])  # disk and remote hits: each needs a CPU slot
+        want = min(len(dpos), max(0, max_promote))
+        # This chunk ends before the first hit it cannot promote; only its own CPU hits are
+        # pinned (before any eviction below), so hits further on never crowd out its promotions.
+        cut = int(dpos[want]) if want < len(dpos) else run
+        src = cpu_s[:cut].copy()
+        self.cpu.pin(src[cpu_ready[:cut]])
+        promote = fetch = spill = None
+        got = 0
+        if want:
+            prows = rows[dpos[:want]]
+            # Pinned first: spilling the CPU victims below must not evict (and overwrite) the
+            # very disk blocks this chunk is about to read.
+            want_dslots = d_s[dpos[:want]]
+            on_disk = want_dslots >= 0
+            self.disk_pin(want_dslots[on_disk])
+            slots = self.cpu.reserve(prows)
+            short = want - len(slots)
+            if short:
+                victims, spill = self._evict_cpu(short)
+                if len(victims):
+                    self.cpu.reassign(victims, prows[len(slots) : len(slots) + len(victims)])
+                    slots = np.concatenate([slots, victims])
+            got = len(slots)
+            self.disk_unpin(want_dslots[got:][on_disk[got:]])
+            if got:
+                src[dpos[:got]] = slots
+                d, r = on_disk[:got], ~on_disk[:got]
+                if d.any():
+                    promote = PromoteJob(prows[:got][d], want_dslots[:got][d], slots[d], dpos[:got][d])
+                if r.any():
+                    fetch = PromoteJob(prows[:got][r], EMPTY, slots[r], dpos[:got][r])
+        if got < len(dpos):  # the next hit has no CPU slot yet: this chunk ends before it
+            end = int(dpos[got])
+            self.cpu.unpin(src[end:][cpu_ready[end:cut]])
+            src, stop = src[:end], "room"
+        plan = LoadPlan(src, promote, spill, stop, pinned=src[cpu_ready[: len(src)]], exclusive=exclusive)
+        plan.fetch = fetch
+        plan.remote_spill = self.take_remote_spill()
+        return plan
+
+    def disk_pin(self, slots: np.ndarray) -> None:
+        if self.disk is not None:
+            self.disk.pin(slots)
+
+    def disk_unpin(self, slots: np.ndarray) -> None:
+        if self.disk is not None:
+            self.disk.unpin(slots)
+
+    def _commit_promoted(self, plan: LoadPlan, job: PromoteJob, ok: np.ndarray) -> int:
+        good, bad = job.cpu_slots[ok], job.cpu_slots[~ok]
+        self.cpu.commit(good)
+        self.cpu.pin(good)
+        plan.pinned = np.concatenate([plan.pinned, good])
+        self.cpu.abort(bad)
+        return len(plan) if ok.all() else int(job.positions[np.argmax(~ok)])
+
+    def complete_promote(self, plan: LoadPlan, ok: np.ndarray, *, corrupt: bool = True) -> int:
+        """Commit verified disk promotions; the run ends at the first one that failed. Returns its length.
+
+        ``corrupt``: the failed blocks failed verification and are dropped from the disk tier;
+        False when the whole read failed (an I/O fault), which says nothing about the data.
+        """
+        job = plan.promote
+        ok = np.asarray(ok, dtype=bool)
+        self.disk.unpin(job.disk_slots)
+        # The disk copy of a promoted block stays while it is clean and room is not short:
+        # first to go when the disk needs room, touched again if the CPU evicts the block.
+        self.disk.demote(job.disk_slots[ok])
+        n = self._commit_promoted(plan, job, ok)
+        if ok.all() or not corrupt:
+            return n
+        bad_disk = job.disk_slots[~ok]
+        droppable = bad_disk[(self.disk.pins[bad_disk] == 0) & (self.disk.state[bad_disk] == READY)]
+        if len(droppable):
+            self._event("dropped", "disk", self.disk.keys.slot_keys[droppable])
+            self.disk.drop(droppable)
+            self.disk_invalidate.append(droppable)
+        return n
+
+    def complete_fetch(self, plan: LoadPlan, ok: np.ndarray) -> int:
+        """Commit the remote blocks that arrived and verified; the run ends at the first one that did not."""
+        return self._commit_promoted(plan, plan.fetch, np.asarray(ok, dtype=bool))
+
+    def complete_load(self, plan: LoadPlan, loaded: int) -> None:
+        """Release the plan's pins; the loaded run is touched last block first.
+
+        An exclusive load (the engine keeps the blocks and stores them back when its
+        own cache evicts them) demotes the CPU copies instead: first eviction
+        candidates, dropped rather than spilled, made recent again by that store.
+        """
+        self.cpu.unpin(plan.pinned)
+        plan.pinned = EMPTY
+        if plan.exclusive:
+            self.cpu.demote(plan.cpu_slots[:loaded][::-1])
+        else:
+            self.cpu.touch(plan.cpu_slots[:loaded][::-1])
+
+    def abort_load(self, plan: LoadPlan) -> None:
+        """Undo a plan whose promotions never ran (the mover refused them before any read)."""
+        if plan.promote is not None:
+            self.disk.unpin(plan.promote.disk_slots)
+            self.cpu.abort(plan.promote.cpu_slots)
+        if plan.fetch is not None:
+            self.cpu.abort(plan.fetch.cpu_slots)
+        self.cpu.unpin(plan.pinned)
+        plan.pinned = EMPTY
