@@ -35,6 +35,8 @@ from .transfer import CopyEngine, make_engine
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+INLINE_COPY_BYTES = 1 << 20  # host copies up to this size run on the loop: a thread hand-off costs more
+STAGING_BYTES = 64 << 20  # at most this much slab beside the CPU tier for exclusive loads' disk/remote hits
 
 
 @dataclass(frozen=True)
@@ -46,11 +48,12 @@ class StoreResult:
 
 
 class _Op:
-    __slots__ = ("cancelled", "idle")
+    __slots__ = ("cancelled", "idle", "before_copy")
 
     def __init__(self) -> None:
         self.cancelled = False
         self.idle = False  # True while the move holds nothing and issued no copy: safe to cancel outright
+        self.before_copy: Callable[[], Awaitable[Any]] | None = None  # a load's hook, run once
 
 
 class TieredKVCache(Lifecycle):
@@ -81,6 +84,11 @@ class TieredKVCache(Lifecycle):
         self.keyer = make_keyer(cfg, layout, rank=rank, world_size=world_size, shard_id=shard_id)
         self._key_bytes = self.keyer.key_bytes
         self._slots = slots = tier_slots(cfg, layout)
+        # Promotions per chunk: a prefix longer than the CPU tier loads through it in chunks.
+        budget_blocks = max(1, cfg.transfer.max_inflight_bytes // layout.bytes_per_block)
+        self._max_promote = max(1, min(slots["cpu"] // 2, budget_blocks))
+        # Staging rows for exclusive loads (beside the CPU tier's slots, not part of its capacity).
+        self._staging = min(self._max_promote, max(1, STAGING_BYTES // layout.bytes_per_block))
         self.manager = self._new_manager()
         self.metrics.track_used_slots("cpu", lambda: self.manager.cpu.used)
         if self.manager.disk is not None:
@@ -94,9 +102,6 @@ class TieredKVCache(Lifecycle):
         self.slabs: CpuSlabs | None = None
         self._engine: CopyEngine | None = None
         self.recovered_blocks = 0
-        # Promotions per chunk: a prefix longer than the CPU tier loads through it in chunks.
-        budget_blocks = max(1, cfg.transfer.max_inflight_bytes // layout.bytes_per_block)
-        self._max_promote = max(1, min(slots["cpu"] // 2, budget_blocks))
         self._progress: asyncio.Future[None] | None = None  # resolved (and replaced) whenever a plan completes
         Lifecycle.__init__(self)
 
@@ -105,6 +110,7 @@ class TieredKVCache(Lifecycle):
         return TierManager(
             self._slots["cpu"], self._slots.get("disk"), self._key_bytes, cfg.eviction.policy,
             write_through=cfg.tiers.disk.spill_policy == "write_through", on_event=self._count_event,
+            staging_slots=self._staging,
         )  # fmt: skip
 
     def _count_event(self, kind: str, tier: str, n: int) -> None:
@@ -118,8 +124,9 @@ class TieredKVCache(Lifecycle):
         cfg = self.config
         loop = asyncio.get_running_loop()
         # Allocating and pinning a large slab takes seconds: keep it off the loop.
+        rows = self._slots["cpu"] + self._staging
         self.slabs = await loop.run_in_executor(None, lambda: CpuSlabs(
-            self.layout, self._slots["cpu"], pin=cfg.tiers.cpu.pin_memory, pin_chunk=cfg.tiers.cpu.pin_chunk))  # fmt: skip
+            self.layout, rows, pin=cfg.tiers.cpu.pin_memory, pin_chunk=cfg.tiers.cpu.pin_chunk))  # fmt: skip
         self._engine = engine = make_engine(cfg.transfer.engine, list(self.layout.regions), self.slabs.regions)
         self.mover.register("gpu", "cpu", store_handler(engine))
         self.mover.register("cpu", "gpu", load_handler(engine))
@@ -306,17 +313,34 @@ class TieredKVCache(Lifecycle):
             self.manager.hint(_check_session(session), prefix + keys)
         return await self._run(lambda op: self._store_body(op, keys, ids, prefix), "store")
 
-    async def load(self, keys: Sequence[bytes], gpu_block_ids: Sequence[int], *, exclusive: bool = False) -> int:
+    async def load(
+        self,
+        keys: Sequence[bytes],
+        gpu_block_ids: Sequence[int],
+        *,
+        exclusive: bool = False,
+        before_copy: Callable[[], Awaitable[Any]] | None = None,
+    ) -> int:
         """Load the leading resident keys into the GPU blocks; returns how many were loaded.
 
         Waits for keys still in flight (``lookup``'s ``pending``). ``exclusive=True`` is the
         engine's promise that it keeps the loaded blocks and stores them back when its
         own cache evicts them: their copies here become first eviction candidates, so
         the engine's cache and this one hold each block once (see README, "Tiers").
+        Disk and remote hits then go through staging rows, displacing no CPU block.
+        ``before_copy`` is awaited once, after the first chunk's disk and remote reads
+        landed and before anything is copied into the GPU blocks (or before returning
+        when nothing is): an engine that must first save what those GPU blocks held
+        stores it there, into the room the reads just freed.
         """
         ids = self._check_args(keys, gpu_block_ids)
         keys = list(keys)
-        return await self._run(lambda op: self._load_body(op, keys, ids, bool(exclusive)), "load")
+
+        def body(op: _Op) -> Awaitable[int]:
+            op.before_copy = before_copy
+            return self._load_body(op, keys, ids, bool(exclusive))
+
+        return await self._run(body, "load")
 
     def _check_args(self, keys: Sequence[bytes], gpu_block_ids: Sequence[int]) -> np.ndarray:
         """Validate a call before anything is reserved; returns the block ids as an int64 array."""
@@ -453,7 +477,7 @@ class TieredKVCache(Lifecycle):
                 if plan.stop == "in_flight":  # another call is storing or promoting it: wait, then go on
                     await self._wait_progress(op)
                     continue
-                if plan.stop == "room" and (m.cpu.n_reserved or m.cpu.n_ready_pinned):
+                if plan.stop == "room" and (m.cpu.n_reserved or m.cpu.n_ready_pinned or m.staging_in_use):
                     await self._wait_progress(op)
                     continue
                 break
@@ -461,6 +485,8 @@ class TieredKVCache(Lifecycle):
             loaded += n
             if n < len(plan) or plan.stop in ("", "miss"):
                 break
+        if not op.cancelled:
+            await self._before_copy(op)  # nothing was copied: the hook still runs once
         return loaded
 
     async def _execute_load(self, op: _Op, plan: LoadPlan, ids: np.ndarray) -> int:
@@ -485,6 +511,9 @@ class TieredKVCache(Lifecycle):
                 if m.disk_invalidate and self.disk is not None:
                     self.disk.invalidate(np.concatenate(m.disk_invalidate))
                     m.disk_invalidate.clear()
+            if plan.restage is not None:
+                await self._restage(plan)
+            await self._before_copy(op)
             if n and not op.cancelled:
                 await self.mover.run("cpu", "gpu", CopyJob(plan.cpu_slots[:n], ids[:n]))
             else:
@@ -499,6 +528,26 @@ class TieredKVCache(Lifecycle):
                 m.complete_load(plan, n)
             self._progressed()
         return n
+
+    async def _restage(self, plan: LoadPlan) -> None:
+        """Copy an exclusive load's CPU hits into their staging rows, then let their CPU slots go."""
+        src, dst = plan.restage
+        slab = self.slabs.slab_np
+
+        def copy() -> None:
+            slab[dst] = slab[src]
+
+        if len(src) * self.layout.bytes_per_block <= INLINE_COPY_BYTES:
+            copy()
+        else:
+            await asyncio.get_running_loop().run_in_executor(None, copy)
+        self.manager.complete_restage(plan)
+
+    @staticmethod
+    async def _before_copy(op: _Op) -> None:
+        hook, op.before_copy = op.before_copy, None
+        if hook is not None:
+            await hook()
 
     async def _fetch(self, plan: LoadPlan) -> np.ndarray | None:
         """Remote -> CPU: per-block arrived-and-verified mask (a gone or bad block is a miss)."""

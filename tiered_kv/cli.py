@@ -161,6 +161,16 @@ def _share(text: str) -> float:
     return share
 
 
+def _instances(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= n <= 64:
+        raise argparse.ArgumentTypeError(f"{n} instances: use 1 to 64")
+    return n
+
+
 def _one_line(text: str) -> str:
     # One line on stderr whatever a message holds (a YAML excerpt, a path with a newline).
     return " ".join(text.split())
@@ -210,10 +220,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--keep-partial", action="store_true",
         help="also store a request's partial last block (replay.drop_partial: false); by default it is dropped",
     )
+    p.add_argument(
+        "--instances", type=_instances, metavar="N",
+        help="replay.instances: N serving instances (each its own GPU, CPU and disk tiers, capacities and "
+             "concurrency per instance) sharing tiers.remote, which must be enabled for N > 1",
+    )
+    p.add_argument(
+        "--route", choices=["round_robin", "session"],
+        help="replay.route: send requests to instances round-robin, or keep a session's turns on one instance",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.add_argument(
         "--keep-disk", action="store_true",
-        help="use tiers.disk.path as is (reuse blocks of earlier runs) instead of a fresh replay-<pid> subdirectory",
+        help="use tiers.disk.path (and tiers.remote.key_prefix) as is, reusing blocks of earlier runs, instead "
+             "of a fresh replay-<pid> subdirectory (and a fresh key prefix, removed afterwards)",
     )
     p = add("bench", cmd_bench, "throughput ratios against the raw operation, in one run")
     p.add_argument("--quick", action="store_true", help="a fast smoke run: smaller cases, same method (for tests)")

@@ -238,6 +238,8 @@ class ReplayConfig(_Section):
     block_bytes: ByteSize | None = None  # synthetic block size; overrides model geometry for the replay
     hints: bool = False  # the emulator passes the workload's sessions to the cache as hints
     drop_partial: bool = True  # the emulator never stores a request's partial last block
+    instances: int = Field(1, ge=1, le=64)  # serving instances (caches) sharing tiers.remote; > 1 needs it
+    route: Literal["round_robin", "session"] = "round_robin"  # how requests reach the instances
 
     @field_validator("block_bytes")
     @classmethod

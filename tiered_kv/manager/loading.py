@@ -38,8 +38,41 @@ def first_repeat(keys: Sequence[bytes]) -> int:
     return len(keys) if mask is None else int(np.argmax(mask))
 
 
+class Staging:
+    """Slab rows past the CPU tier's slots, for exclusive loads.
+
+    An exclusive load reads its disk and remote hits into these rows and copies them on to
+    the engine, which keeps the blocks: the load then displaces no CPU block (and so
+    pushes nothing out of the disk), as moving a block up one exclusive hierarchy should.
+    """
+
+    def __init__(self, first: int, count: int) -> None:
+        self.count = count
+        self._free = np.arange(first + count - 1, first - 1, -1, dtype=np.int64)  # popped ascending
+        self._n = count
+
+    @property
+    def in_use(self) -> int:
+        return self.count - self._n
+
+    def take(self, n: int) -> np.ndarray:
+        k = min(n, self._n)
+        out = np.sort(self._free[self._n - k : self._n])
+        self._n -= k
+        return out
+
+    def give(self, slots: np.ndarray) -> None:
+        k = len(slots)
+        self._free[self._n : self._n + k] = np.sort(slots)[::-1]
+        self._n += k
+
+
 class LoadPlanning:
     """prepare_load -> (complete_promote, complete_fetch) -> complete_load | abort_load."""
+
+    @property
+    def staging_in_use(self) -> int:
+        return self.staging.in_use if self.staging is not None else 0
 
     def remote_hits(self, rows: np.ndarray) -> np.ndarray:
         """Which rows the remote tier is believed to hold (all False without one, or degraded)."""
@@ -73,6 +106,8 @@ class LoadPlanning:
             hit |= remote
         run = int(np.argmin(hit)) if not hit.all() else n
         stop = "" if run == len(keys) else ("in_flight" if run < n and pending[run] else "miss")
+        if exclusive and self.staging is not None:
+            return self._prepare_staged(rows, cpu_s, cpu_ready, d_s, run, stop, max_promote)
         dpos = np.flatnonzero(~cpu_ready[:run])  # disk and remote hits: each needs a CPU slot
         want = min(len(dpos), max(0, max_promote))
         # This chunk ends before the first hit it cannot promote; only its own CPU hits are
@@ -114,6 +149,40 @@ class LoadPlanning:
         plan.remote_spill = self.take_remote_spill()
         return plan
 
+    def _prepare_staged(self, rows, cpu_s, cpu_ready, d_s, run: int, stop: str, max_promote: int) -> LoadPlan:
+        """An exclusive load: every block of the chunk goes through a staging row.
+
+        Disk and remote hits are read into staging rows; CPU hits are copied there
+        (``restage``) and their CPU slots demoted at once. The CPU tier then gives up
+        exactly the blocks moving up, before the engine saves what its GPU blocks held.
+        """
+        take = min(run, self.staging.count - self.staging.in_use, max(1, max_promote))
+        if take == 0:
+            return LoadPlan(stop="room" if run else stop, exclusive=True)
+        staged = self.staging.take(take)
+        c = cpu_ready[:take]
+        on_disk = (d_s[:take] >= 0) & ~c
+        far = ~c & ~on_disk
+        pos = np.arange(take, dtype=np.int64)
+        cpu_src = cpu_s[:take][c]
+        self.cpu.pin(cpu_src)  # until restaged
+        self.disk_pin(d_s[:take][on_disk])
+        promote = PromoteJob(rows[:take][on_disk], d_s[:take][on_disk], staged[on_disk], pos[on_disk]) \
+            if on_disk.any() else None  # fmt: skip
+        plan = LoadPlan(staged, promote, None, "room" if take < run else stop, pinned=cpu_src, exclusive=True)
+        plan.fetch = PromoteJob(rows[:take][far], EMPTY, staged[far], pos[far]) if far.any() else None
+        plan.staged = staged
+        plan.restage = (cpu_src, staged[c])
+        return plan
+
+    def complete_restage(self, plan: LoadPlan) -> None:
+        """The CPU hits are in their staging rows: their CPU copies become the first to go."""
+        src, _ = plan.restage
+        self.cpu.unpin(plan.pinned)
+        plan.pinned = EMPTY
+        self.cpu.demote(src[::-1])
+        plan.restage = None
+
     def disk_pin(self, slots: np.ndarray) -> None:
         if self.disk is not None:
             self.disk.pin(slots)
@@ -123,6 +192,8 @@ class LoadPlanning:
             self.disk.unpin(slots)
 
     def _commit_promoted(self, plan: LoadPlan, job: PromoteJob, ok: np.ndarray) -> int:
+        if len(plan.staged):  # read into staging rows: nothing joins the CPU tier
+            return len(plan) if ok.all() else int(job.positions[np.argmax(~ok)])
         good, bad = job.cpu_slots[ok], job.cpu_slots[~ok]
         self.cpu.commit(good)
         self.cpu.pin(good)
@@ -166,17 +237,26 @@ class LoadPlanning:
         """
         self.cpu.unpin(plan.pinned)
         plan.pinned = EMPTY
+        src = plan.cpu_slots[:loaded][::-1]
+        if len(plan.staged):
+            self.staging.give(plan.staged)
+            plan.staged = EMPTY
+            return  # its CPU hits were demoted when they were restaged
         if plan.exclusive:
-            self.cpu.demote(plan.cpu_slots[:loaded][::-1])
+            self.cpu.demote(src)
         else:
-            self.cpu.touch(plan.cpu_slots[:loaded][::-1])
+            self.cpu.touch(src)
 
     def abort_load(self, plan: LoadPlan) -> None:
         """Undo a plan whose promotions never ran (the mover refused them before any read)."""
         if plan.promote is not None:
             self.disk.unpin(plan.promote.disk_slots)
-            self.cpu.abort(plan.promote.cpu_slots)
-        if plan.fetch is not None:
-            self.cpu.abort(plan.fetch.cpu_slots)
+        if len(plan.staged):
+            self.staging.give(plan.staged)
+            plan.staged = EMPTY
+        else:
+            for job in (plan.promote, plan.fetch):
+                if job is not None:
+                    self.cpu.abort(job.cpu_slots)
         self.cpu.unpin(plan.pinned)
         plan.pinned = EMPTY

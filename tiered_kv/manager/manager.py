@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .loading import LoadPlanning, key_rows, repeats
+from .loading import LoadPlanning, Staging, key_rows, repeats
 from .plans import LookupResult, SpillJob, StorePlan
 from .sessions import Sessions
 from .tier_index import EMPTY, READY, RESERVED, TierIndex
@@ -45,6 +45,7 @@ class TierManager(LoadPlanning):
         *,
         write_through: bool = False,
         max_events: int = 1 << 16,
+        staging_slots: int = 0,
         on_event: Callable[[str, str, int], None] | None = None,
     ) -> None:
         self.key_bytes = key_bytes
@@ -56,6 +57,8 @@ class TierManager(LoadPlanning):
         self.disk_invalidate: list[np.ndarray] = []  # disk slots dropped for good: the store forgets them
         self._on_event = on_event  # (kind, tier, count): the facade's metrics
         self.sessions = Sessions(key_bytes)
+        # Slab rows cpu_slots .. cpu_slots + staging_slots - 1: exclusive loads stage through them.
+        self.staging = Staging(cpu_slots, staging_slots) if staging_slots > 0 else None
         self.remote_known: Callable[[np.ndarray], np.ndarray] | None = None  # set by the facade
         self.remote_write: str | None = None  # "write_through" | "write_back" when a remote tier is up
         self._remote_spill: SpillJob | None = None  # write-back job of the last CPU eviction, for its plan
@@ -93,16 +96,25 @@ class TierManager(LoadPlanning):
         return LookupResult(run, n_cpu, n_disk, run - n_cpu - n_disk - n_remote, n_remote)
 
     def tiers_of(self, keys: Sequence[bytes]) -> list[str]:
-        """The tier each key is READY in ("cpu", then "disk"), or "" (for reports; vectorized)."""
+        """The tier each key is READY in ("cpu", then "disk"), "remote" for a key held in neither
+        (nor in flight there) that the remote residency filter knows, else "" (for reports; vectorized).
+
+        "remote" follows ``lookup``: only keys with no CPU or disk entry in any state are asked about."""
         if not len(keys):
             return []
         rows = key_rows(keys, self.key_bytes)
         where = np.full(len(keys), "", dtype=object)
         cpu = self.cpu.find_ready(rows) >= 0
         where[cpu] = "cpu"
+        local = self.cpu.keys.find(rows) >= 0  # READY, or in flight: lookup counts those as pending
         if self.disk is not None:
             rest = np.flatnonzero(~cpu)
             where[rest[self.disk.find_ready(rows[rest]) >= 0]] = "disk"
+            rest = np.flatnonzero(~local)
+            local[rest] = self.disk.keys.find(rows[rest]) >= 0
+        if self.remote_known is not None:
+            far = np.flatnonzero(~local)
+            where[far[self.remote_hits(rows[far])]] = "remote"
         return where.tolist()
 
     # -- store -----------------------------------------------------------------------

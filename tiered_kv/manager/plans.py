@@ -98,6 +98,8 @@ class LoadPlan:
     pinned: np.ndarray = field(default_factory=lambda: EMPTY)  # CPU slots this plan holds a pin on
     exclusive: bool = False  # the engine keeps what it loads and stores it back: demote the CPU copies
     fetch: PromoteJob | None = None  # from the remote tier (its disk_slots are empty)
+    staged: np.ndarray = field(default_factory=lambda: EMPTY)  # staging rows of an exclusive load
+    restage: tuple[np.ndarray, np.ndarray] | None = None  # CPU hits -> their staging rows (copied first)
     remote_spill: SpillJob | None = None  # write-back to the remote tier of the same victims
 
     def __len__(self) -> int:

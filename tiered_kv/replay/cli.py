@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import TypeVar
 
+from .fleet import check_fleet_options, run_fleet
 from .plot import plot_sweep, sweep
-from .report import build_report, print_report
+from .report import add_fleet, build_report, print_report
 from .run import (
     BLOCK_TOKENS,
-    ReplayResult,
     load_requests,
     resolve_config,
     run_replay,
@@ -21,6 +22,8 @@ from .run import (
     with_capacity_share,
 )
 from .simulate import unique_blocks
+
+T = TypeVar("T")
 
 
 def run_replay_cli(args: argparse.Namespace) -> int:
@@ -36,26 +39,43 @@ def run_replay_cli(args: argparse.Namespace) -> int:
         policy=getattr(args, "policy", None),
         hints=getattr(args, "hints", None),
         drop_partial=False if getattr(args, "keep_partial", False) else None,
+        instances=getattr(args, "instances", None),
+        route=getattr(args, "route", None),
     )
+    keep_disk = bool(getattr(args, "keep_disk", False))
+    check_fleet_options(cfg, metrics_port=args.metrics_port, plot=args.plot, keep_disk=keep_disk)
     requests = load_requests(cfg, args.trace)
     split = None
     share = getattr(args, "capacity_share", None)
     if share is not None:
         cfg, split = with_capacity_share(cfg, requests, share)
-    keep_disk = bool(getattr(args, "keep_disk", False))
     console = Console()
     show_progress = not (args.json or args.no_progress) and console.is_terminal
-    result = _with_progress(
-        console if show_progress else None,
-        len(requests),
-        lambda on_done: run_replay(
-            cfg, requests, keep_disk=keep_disk, on_done=on_done, metrics_port=args.metrics_port,
-            block_tokens=BLOCK_TOKENS,
-        ),
-    )
+    fleet = None
+    if cfg.tiers.remote.enabled:  # --instances N (1 included) over the shared remote tier
+        fleet = _with_progress(
+            console if show_progress else None,
+            len(requests),
+            lambda on_done: run_fleet(
+                cfg, requests, keep_disk=keep_disk, on_done=on_done, metrics_port=args.metrics_port,
+                block_tokens=BLOCK_TOKENS,
+            ),
+        )
+        result = fleet.total
+    else:
+        result = _with_progress(
+            console if show_progress else None,
+            len(requests),
+            lambda on_done: run_replay(
+                cfg, requests, keep_disk=keep_disk, on_done=on_done, metrics_port=args.metrics_port,
+                block_tokens=BLOCK_TOKENS,
+            ),
+        )
     sims = simulate(requests, result.total_blocks, block_tokens=result.block_tokens)
     workload = str(args.trace) if args.trace else f"built-in chat workload (seed {cfg.replay.seed})"
     report = build_report(result, sims, workload=workload, unique=unique_blocks(requests), split=split)
+    if fleet is not None:
+        add_fleet(report, fleet.instances, fleet.route)
     if args.plot:
         err = Console(stderr=True)
         done = sweep(cfg, requests, block_tokens=result.block_tokens,
@@ -71,9 +91,7 @@ def run_replay_cli(args: argparse.Namespace) -> int:
     return 1 if result.stats.corrupt else 0
 
 
-def _with_progress(
-    console, total: int, body: Callable[[Callable[[], None] | None], ReplayResult]
-) -> ReplayResult:
+def _with_progress(console, total: int, body: Callable[[Callable[[], None] | None], T]) -> T:
     if console is None:
         return body(None)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

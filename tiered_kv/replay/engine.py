@@ -14,8 +14,8 @@ every computed block at once, as vLLM's connectors do, with the request's
 earlier blocks as the ``prefix``.
 
 A request's partial last block (``input_length`` not a multiple of the block
-size) is never published or stored when ``drop_partial``: its id changes once
-the next turn fills it, so it is never reused as such.
+size) takes no cache slot when ``drop_partial``: its id changes once the next
+turn fills it, so it is never reused as such; it counts as computed.
 
 With ``hints``, requests that carry a session register their chain with the
 cache (``touch(session=)``), and a session's last turn releases it: the blocks
@@ -173,6 +173,7 @@ class EngineStats:
     hits_cpu: int = 0
     hits_disk: int = 0
     hits_pending: int = 0  # in flight at lookup time (being stored or promoted), loaded once landed
+    hits_remote: int = 0  # loaded from the remote tier (Redis): written by another instance or evicted here
     computed: int = 0
     truncated: int = 0  # blocks past num_blocks of a request longer than the GPU
     stored: int = 0
@@ -285,6 +286,11 @@ class EngineEmulator:
             s.truncated += len(ids) - self.gpu.num_blocks
             ids = ids[: self.gpu.num_blocks]
             publish = min(publish, len(ids))
+        if publish < len(ids):
+            # The partial last block is computed in the request's working memory: it never holds
+            # a cache slot, here or below (a flat cache that drops partial blocks never inserts it).
+            s.computed += len(ids) - publish
+            ids = ids[:publish]
         keys = self.cache.keyer.keys_for_block_ids(ids)  # unsigned 64-bit ids are fine
         if not keys:
             return
@@ -297,9 +303,7 @@ class EngineEmulator:
                 self.cache.touch(keys[:publish], session=req.session)
             else:
                 self.cache.touch(keys[n_gpu:publish])
-            if evicted and self.exclusive:
-                await self._demote(evicted)
-            await self._serve(keys, gids, n_gpu, publish)
+            await self._serve(keys, gids, n_gpu, publish, evicted if self.exclusive else [])
             ok = True
         finally:
             self.gpu.finish(keys, gids, publish if ok else 0)
@@ -309,21 +313,39 @@ class EngineEmulator:
                 s.released += len(dead)
             self._freed.set()
 
-    async def _serve(self, keys: list[bytes], gids: list[int], n_gpu: int, publish: int) -> None:
+    async def _serve(
+        self, keys: list[bytes], gids: list[int], n_gpu: int, publish: int, evicted: list[tuple[bytes, int]]
+    ) -> None:
         s = self.stats
         cache = self.cache
         s.hits_gpu += n_gpu
+        saved = False
+
+        async def save_evicted() -> None:
+            # The GPU's victims go down once, before their blocks are rewritten, and (through the
+            # load's hook) after its disk reads: moving those blocks up frees room for the victims.
+            nonlocal saved
+            if not saved:
+                saved = True
+                if evicted:
+                    await self._demote(evicted)
+
         rest, rest_ids = keys[n_gpu:], gids[n_gpu:]
         if not rest:
+            await save_evicted()
             return
-        hit = cache.lookup(rest)
+        # With a remote tier, wait for one batched EXISTS round trip: what another instance wrote is
+        # unknown to this instance's residency filter until a probe finds it.
+        hit = await cache.probe(rest) if cache.remote is not None else cache.lookup(rest)
         tiers = self._tiers(rest[: hit.total])
         s.lookup_in_flight += hit.in_flight
         n = 0
         if hit.total:
             t0 = time.perf_counter()
-            n = await cache.load(rest[: hit.total], rest_ids[: hit.total], exclusive=self.exclusive)
+            n = await cache.load(rest[: hit.total], rest_ids[: hit.total], exclusive=self.exclusive,
+                                 before_copy=save_evicted)  # fmt: skip
             s.load_latency.append(time.perf_counter() - t0)
+        await save_evicted()
         if n:
             bad = await self._on_compute(self._check, rest[:n], rest_ids[:n])
             s.verified += n - len(bad)
@@ -333,6 +355,7 @@ class EngineEmulator:
                 served[i] = "corrupt"  # served wrong bytes: not a hit; recomputed below
             s.hits_cpu += served.count("cpu")
             s.hits_disk += served.count("disk")
+            s.hits_remote += served.count("remote")
             s.hits_pending += served.count("")  # was in flight at lookup, loaded once it landed
             if bad:
                 await self._on_compute(self._write, [rest[i] for i in bad], [rest_ids[i] for i in bad])

@@ -10,6 +10,11 @@ whole replay's wall time.
 Beside the replay, at its total_blocks (GPU + CPU + disk slots), stand the flat
 single-tier yardsticks: LRU as is and with partial last blocks dropped, every
 registered policy with them dropped, Belady both ways, and the unbounded cache.
+
+With the remote tier on, ``remote`` hits are blocks served from Redis. In a fleet
+(``--instances N``) those are the cross-instance hits: another instance stored them, or
+this one did and has since evicted them. ``fleet`` then lists every instance; the totals
+are the fleet's, and the yardsticks stand at the fleet's total blocks (Redis not counted).
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ def build_report(
     s, m = result.stats, result.metrics
     refs = s.block_refs
     # pending: blocks in flight (being stored or promoted) at lookup, loaded once they landed
-    hits = {"gpu": s.hits_gpu, "cpu": s.hits_cpu, "disk": s.hits_disk, "pending": s.hits_pending}
+    hits = {"gpu": s.hits_gpu, "cpu": s.hits_cpu, "disk": s.hits_disk, "remote": s.hits_remote,
+            "pending": s.hits_pending}
     total_hits = sum(hits.values())
     transfers = {}
     for d in DIRECTIONS:
@@ -97,13 +103,15 @@ def build_report(
         "spills": int(m.get("tiered_kv_spills_total", 0.0)),
         "evictions": {t: int(m.get(f"tiered_kv_evictions_total{{{t}}}", 0.0)) for t in ("cpu", "disk")},
         "degraded_events": int(
-            sum(m.get(f"tiered_kv_degraded_events_total{{{t}}}", 0.0) for t in ("cpu", "disk"))
+            sum(m.get(f"tiered_kv_degraded_events_total{{{t}}}", 0.0) for t in ("cpu", "disk", "remote"))
         ),
         "store_skipped": int(m.get("tiered_kv_store_skipped_total", 0.0)),
         # Blocks the cache itself caught (disk checksum) and served as misses.
         "cache_rejected_blocks": int(
             sum(m.get(f"tiered_kv_corrupt_blocks_total{{{t}}}", 0.0) for t in ("cpu", "disk"))
+            + m.get("tiered_kv_remote_blocks_total{get,corrupt}", 0.0)
         ),
+        "remote": _remote(result) if result.remote else None,
         "verified_blocks": s.verified,
         "corrupt_blocks": s.corrupt,
         "wall_s": result.wall_s,
@@ -118,6 +126,49 @@ def build_report(
             name: {"capacity_blocks": r.capacity_blocks, "hit_rate": r.hit_rate} for name, r in sims.items()
         },
     }
+
+
+def _remote(result: ReplayResult) -> dict[str, Any]:
+    """The remote tier's side: hits served from Redis (cross-instance hits in a fleet) and its own counts."""
+    m, refs = result.metrics, result.stats.block_refs
+
+    def blocks(op: str, res: str) -> int:
+        return int(m.get(f"tiered_kv_remote_blocks_total{{{op},{res}}}", 0.0))
+
+    return {
+        "cross_instance_hits": result.stats.hits_remote,
+        "hit_rate": result.stats.hits_remote / refs if refs else 0.0,
+        "stored": blocks("put", "stored"),
+        "loaded": blocks("get", "hit"),
+        "gone": blocks("get", "miss"),  # believed present, missing at load: recomputed
+        "rejected": blocks("get", "corrupt"),  # failed verification: a miss, never data
+        "probed_present": blocks("exists", "present"),
+        "probed_absent": blocks("exists", "absent"),
+        "failed": sum(blocks(op, "failed") for op in ("put", "get", "exists")),
+        "degraded_events": int(m.get("tiered_kv_degraded_events_total{remote}", 0.0)),
+    }
+
+
+def add_fleet(report: dict[str, Any], instances: list[ReplayResult], route: str) -> dict[str, Any]:
+    """``report["fleet"]``: the route and every instance's hits (the report's totals are the fleet's)."""
+    rows = []
+    for i, r in enumerate(instances):
+        s, refs = r.stats, r.stats.block_refs
+        hits = {"gpu": s.hits_gpu, "cpu": s.hits_cpu, "disk": s.hits_disk, "remote": s.hits_remote,
+                "pending": s.hits_pending}  # fmt: skip
+        total = sum(hits.values())
+        rows.append({
+            "instance": i,
+            "requests": s.requests,
+            "block_refs": refs,
+            "hit_rate": {"total": total / refs if refs else 0.0, **{t: n / refs if refs else 0.0 for t, n in hits.items()}},
+            "hit_blocks": {"total": total, **hits},
+            "capacity": {"gpu_blocks": r.gpu_blocks, "cpu_slots": r.cpu_slots, "disk_slots": r.disk_slots},
+            "verified_blocks": s.verified,
+            "corrupt_blocks": s.corrupt,
+        })  # fmt: skip
+    report["fleet"] = {"instances": len(instances), "route": route, "per_instance": rows}
+    return report
 
 
 def _ms(v: float | None) -> str:
@@ -147,8 +198,18 @@ def print_report(report: dict[str, Any], console=None) -> None:
     if r["capacity_share"]:
         t.add_row("capacity share", f"{r['capacity_share']['share']:g} of {r['unique_blocks']:,} unique blocks")
     t.add_row("hit rate (block-weighted, prefix)", f"{hr['total']:.1%}")
-    for tier in ("gpu", "cpu", "disk", "pending"):
-        t.add_row(f"  {tier}", f"{hr[tier]:.1%}  ({hb[tier]:,} blocks)")
+    for tier in ("gpu", "cpu", "disk", "remote", "pending"):
+        if tier != "remote" or r["remote"]:
+            t.add_row(f"  {tier}", f"{hr[tier]:.1%}  ({hb[tier]:,} blocks)")
+    if r["remote"]:
+        rm = r["remote"]
+        t.add_row("remote: cross-instance hits", f"{rm['cross_instance_hits']:,} blocks served from Redis")
+        t.add_row(
+            "remote: stored / loaded / gone / rejected",
+            f"{rm['stored']:,} / {rm['loaded']:,} / {rm['gone']:,} / {rm['rejected']:,}",
+        )
+    if r.get("fleet"):
+        t.add_row("instances / route", f"{r['fleet']['instances']} / {r['fleet']['route']}")
     st = r["store"]
     t.add_row(
         "stored (demoted) / partial dropped / released",
@@ -173,9 +234,29 @@ def print_report(report: dict[str, Any], console=None) -> None:
     t.add_row("wall time", f"{r['wall_s']:.1f} s")
     console.print(t)
 
+    if r.get("fleet") and r["fleet"]["instances"] > 1:
+        console.print(fleet_table(r))
     console.print(yardstick_table(r))
     if r["corrupt_blocks"]:
         console.print(f"[bold red]{r['corrupt_blocks']} corrupt block(s) were served[/]")
+
+
+def fleet_table(r: dict[str, Any]):
+    """Hit rates per instance and for the fleet."""
+    from rich.table import Table
+
+    t = Table(title=f"per instance ({r['fleet']['route']} routing; remote = served from Redis)")
+    for col in ("instance", "requests", "hit rate", "gpu", "cpu", "disk", "remote", "pending", "corrupt"):
+        t.add_column(col, justify="left" if col == "instance" else "right")
+
+    def row(name: str, requests: int, hr: dict[str, float], corrupt: int) -> None:
+        tiers = (f"{hr[k]:.1%}" for k in ("gpu", "cpu", "disk", "remote", "pending"))
+        t.add_row(name, f"{requests:,}", f"{hr['total']:.1%}", *tiers, f"{corrupt:,}")
+
+    for x in r["fleet"]["per_instance"]:
+        row(str(x["instance"]), x["requests"], x["hit_rate"], x["corrupt_blocks"])
+    row("fleet", r["requests"], r["hit_rate"], r["corrupt_blocks"])
+    return t
 
 
 YARDSTICK_NAMES = {"unbounded": "unbounded (no eviction)"}
@@ -190,12 +271,13 @@ def yardstick_table(r: dict[str, Any]):
     t.add_column("cache")
     t.add_column("blocks", justify="right")
     t.add_column("hit rate", justify="right")
-    t.add_column("gpu / cpu / disk / pending", justify="right")
+    tiers = ("gpu", "cpu", "disk", "remote", "pending") if r["remote"] else ("gpu", "cpu", "disk", "pending")
+    t.add_column(" / ".join(tiers), justify="right")
     t.add_row(
         f"tiered_kv replay ({r['policy']})",
         f"{cap['total_blocks']:,}",
         f"{hr['total']:.1%}",
-        f"{hr['gpu']:.1%} / {hr['cpu']:.1%} / {hr['disk']:.1%} / {hr['pending']:.1%}",
+        " / ".join(f"{hr[k]:.1%}" for k in tiers),
     )
     for name, x in r["simulated"].items():
         label = YARDSTICK_NAMES.get(name, f"flat {name.replace('_drop_partial', ' + drop partial')}")

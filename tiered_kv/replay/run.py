@@ -19,7 +19,8 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,7 @@ class ReplayResult:
     concurrency: int = 1
     hints: bool = False
     drop_partial: bool = True
+    remote: bool = False  # tiers.remote was on: hits_remote counts blocks served from Redis
 
     @property
     def total_blocks(self) -> int:
@@ -77,6 +79,8 @@ def resolve_config(
     policy: str | None = None,
     hints: bool | None = None,
     drop_partial: bool | None = None,
+    instances: int | None = None,
+    route: str | None = None,
 ) -> Config:
     """The config with CLI overrides applied; ``replay.block_bytes`` replaces the model geometry.
 
@@ -103,6 +107,8 @@ def resolve_config(
         ("max_requests", max_requests),
         ("hints", hints),
         ("drop_partial", drop_partial),
+        ("instances", instances),
+        ("route", route),
     ):
         if value is not None:
             data["replay"][name] = value
@@ -278,6 +284,13 @@ async def replay_async(
         if server is not None:
             server.shutdown()
             server.server_close()
+    return replay_result(cfg, engine, cache, stats, wall, block_tokens)
+
+
+def replay_result(
+    cfg: Config, engine: EngineEmulator, cache: TieredKVCache, stats: dict[str, Any], wall: float, block_tokens: int
+) -> ReplayResult:
+    """One cache's replay: its emulator's stats, its metrics after close and its capacities."""
     return ReplayResult(
         stats=engine.stats,
         metrics=cache.metrics.snapshot(),
@@ -285,13 +298,14 @@ async def replay_async(
         gpu_blocks=cfg.gpu.num_blocks,
         cpu_slots=stats["cpu"]["slots"],
         disk_slots=stats["disk"]["slots"] if "disk" in stats else 0,
-        bytes_per_block=layout.bytes_per_block,
-        device=str(layout.device),
+        bytes_per_block=cache.layout.bytes_per_block,
+        device=str(cache.layout.device),
         block_tokens=block_tokens,
         policy=cfg.eviction.policy,
         concurrency=cfg.replay.concurrency,
         hints=cfg.replay.hints,
         drop_partial=cfg.replay.drop_partial,
+        remote=cfg.tiers.remote.enabled,
     )
 
 
@@ -313,28 +327,37 @@ def run_replay(
     metrics_port: int | None = None,
     block_tokens: int = BLOCK_TOKENS,
 ) -> ReplayResult:
-    """Replay on a fresh disk directory (removed afterwards) unless ``keep_disk``.
-
-    Only what this run created is removed: its ``replay-<pid>`` directory, and the
-    configured directory (and its parents) only if they did not exist before.
-    """
-    fresh: Path | None = None
-    created: list[Path] = []
-    if cfg.tiers.disk.enabled and not keep_disk:
-        base = Path(cfg.tiers.disk.path)
-        created = _missing_dirs(base)
-        fresh = base / f"replay-{os.getpid()}"
-        shutil.rmtree(fresh, ignore_errors=True)  # left by a killed run whose pid we now reuse
-        cfg = with_disk_path(cfg, str(fresh))
-    try:
+    """Replay on a fresh disk directory (removed afterwards) unless ``keep_disk``."""
+    with fresh_disks(cfg, 1, keep_disk=keep_disk) as (cfg,):
         return run_async(
             replay_async(cfg, requests, on_done=on_done, metrics_port=metrics_port, block_tokens=block_tokens)
         )
+
+
+@contextmanager
+def fresh_disks(cfg: Config, count: int, *, keep_disk: bool = False) -> Iterator[list[Config]]:
+    """``count`` configs, each on its own fresh disk directory, removed on exit (unless ``keep_disk``).
+
+    The directories are ``replay-<pid>`` (one) or ``replay-<pid>-<i>`` (a fleet) under
+    ``tiers.disk.path``. Only what this run created is removed: those directories, and the
+    configured directory (and its parents) only if they did not exist before.
+    """
+    if not cfg.tiers.disk.enabled or keep_disk:
+        yield [cfg] * count
+        return
+    base = Path(cfg.tiers.disk.path)
+    created = _missing_dirs(base)
+    names = [f"replay-{os.getpid()}"] if count == 1 else [f"replay-{os.getpid()}-{i}" for i in range(count)]
+    fresh = [base / name for name in names]
+    try:
+        for path in fresh:
+            shutil.rmtree(path, ignore_errors=True)  # left by a killed run whose pid we now reuse
+        yield [with_disk_path(cfg, str(path)) for path in fresh]
     finally:
-        if fresh is not None:
-            shutil.rmtree(fresh, ignore_errors=True)
-            for path in created:  # deepest first
-                _remove_if_empty(path)
+        for path in fresh:
+            shutil.rmtree(path, ignore_errors=True)
+        for path in created:  # deepest first
+            _remove_if_empty(path)
 
 
 def _missing_dirs(path: Path) -> list[Path]:

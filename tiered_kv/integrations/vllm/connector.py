@@ -138,7 +138,7 @@ class TieredKVConnector(KVConnectorBase_V1):
         for t in meta.loads:
             n = 0
             try:
-                keys = _keys(rt, t, self._block_size)
+                keys = _chain(rt, t, self._block_size)[t.start :]
                 n = rt.load(keys, t.block_ids)
             except Exception as exc:  # never crash the engine: vLLM recomputes what we did not load
                 log.warning("tiered_kv: load of %d blocks for %s failed: %r", len(t.block_ids), t.req_id, exc)
@@ -163,7 +163,10 @@ class TieredKVConnector(KVConnectorBase_V1):
             if t.req_id in self._failed_reqs:
                 continue
             try:
-                res = rt.store(_keys(rt, t, self._block_size), t.block_ids)
+                keys = _chain(rt, t, self._block_size)
+                # The chain before this chunk is the prefix: it is never evicted for the chunk,
+                # and the whole chain is touched head first (no orphaned blocks).
+                res = rt.store(keys[t.start :], t.block_ids, prefix=keys[: t.start])
                 rt.counters["stored_blocks"] += getattr(res, "stored", 0)
             except Exception as exc:  # a lost store is a future miss, never an engine failure
                 log.warning("tiered_kv: store of %d blocks for %s failed: %r", len(t.block_ids), t.req_id, exc)
@@ -268,9 +271,10 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._pending_loads.pop(rid, None)
 
 
-def _keys(rt: CacheRuntime, t: BlockTransfer, block_size: int) -> list[bytes]:
+def _chain(rt: CacheRuntime, t: BlockTransfer, block_size: int) -> list[bytes]:
+    """Keys of the request's blocks up to the end of this transfer (``[t.start:]`` are its own)."""
     end = t.start + len(t.block_ids)
-    return request_block_keys(rt.keyer, t.token_ids, block_size, t.salt, end)[t.start : end]
+    return request_block_keys(rt.keyer, t.token_ids, block_size, t.salt, end)[:end]
 
 
 def _tp_rank() -> tuple[int, int]:

@@ -116,8 +116,8 @@ class CacheRuntime:
     def load(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
         return self.call(self.cache.load(list(keys), list(block_ids)))
 
-    def store(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> Any:
-        return self.call(self.cache.store(list(keys), list(block_ids)))
+    def store(self, keys: Sequence[bytes], block_ids: Sequence[int], prefix: Sequence[bytes] = ()) -> Any:
+        return self.call(self.cache.store(list(keys), list(block_ids), prefix=list(prefix)))
 
     def stats(self) -> dict[str, Any]:
         async def run() -> dict[str, Any]:
