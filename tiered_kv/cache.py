@@ -297,6 +297,7 @@ class TieredKVCache(Lifecycle):
         *,
         prefix: Sequence[bytes] = (),
         session: str | int | None = None,
+        after: Awaitable[Any] | None = None,
     ) -> StoreResult:
         """Copy the GPU blocks of keys not yet resident into CPU slots.
 
@@ -304,6 +305,10 @@ class TieredKVCache(Lifecycle):
         continuation (the next chunk of a chunked prefill). The chain's resident blocks
         are never evicted to make room for it, and the whole chain is touched, head most
         recent, so no block outlives its parent. ``session``: see ``touch``.
+        ``after``: the store waits for it before it takes any room, and meanwhile its keys
+        count as in flight (``lookup``'s ``pending``): a concurrent load waits for them
+        instead of missing them. An engine saving blocks its own cache is about to reuse
+        announces them this way and lets them in once room has been freed.
         """
         ids = self._check_args(keys, gpu_block_ids)
         if len(prefix):
@@ -311,7 +316,21 @@ class TieredKVCache(Lifecycle):
         keys, prefix = list(keys), list(prefix)
         if session is not None:
             self.manager.hint(_check_session(session), prefix + keys)
-        return await self._run(lambda op: self._store_body(op, keys, ids, prefix), "store")
+        if after is None:
+            return await self._run(lambda op: self._store_body(op, keys, ids, prefix), "store")
+        self.manager.announce(keys)
+        return await self._run(lambda op: self._store_after(op, after, keys, ids, prefix), "store")
+
+    async def _store_after(self, op: _Op, after: Awaitable[Any], keys: list[bytes], ids: np.ndarray,
+                           prefix: list[bytes]) -> StoreResult:  # fmt: skip
+        op.idle = True  # nothing reserved yet: a cancel may stop it outright
+        try:
+            await after
+        finally:
+            op.idle = False
+            self.manager.withdraw(keys)  # the plan below takes over (same step): still in flight
+            self._progressed()
+        return await self._store_body(op, keys, ids, prefix)
 
     async def load(
         self,
@@ -474,10 +493,12 @@ class TieredKVCache(Lifecycle):
         while loaded < len(keys) and not op.cancelled:
             plan = m.prepare_load(keys[loaded:], self._max_promote, exclusive=exclusive)
             if not len(plan):
-                if plan.stop == "in_flight":  # another call is storing or promoting it: wait, then go on
-                    await self._wait_progress(op)
-                    continue
-                if plan.stop == "room" and (m.cpu.n_reserved or m.cpu.n_ready_pinned or m.staging_in_use):
+                if plan.stop == "in_flight" or (
+                    plan.stop == "room" and (m.cpu.n_reserved or m.cpu.n_ready_pinned or m.staging_in_use)
+                ):
+                    # Another call is storing or promoting it (or holds the room): wait, then go on.
+                    # The hook runs first: what we wait for may be a store it lets in.
+                    await self._before_copy(op)
                     await self._wait_progress(op)
                     continue
                 break

@@ -181,11 +181,12 @@ async def test_flipped_disk_byte_is_a_miss_not_corrupt_data(tmp_path):
 
 
 # -- pieces ----------------------------------------------------------------------------------------
-def test_gpu_prefix_cache_refs_protect_and_head_is_most_recent():
+async def test_gpu_prefix_cache_refs_protect_and_head_is_most_recent():
     gpu = GpuPrefixCache(4)
     grant = gpu.try_acquire([b"a", b"b", b"c"])
     assert grant is not None and grant[0] == 0
     assert gpu.try_acquire([b"x", b"y"]) is None  # 3 of 4 blocks referenced: nothing changed
+    gpu.publish([b"a", b"b", b"c"], grant[1])
     gpu.finish([b"a", b"b", b"c"], grant[1], publish=3)
     assert list(gpu.lru) == [grant[1][2], grant[1][1], grant[1][0]]  # tail oldest, head newest
     n, ids, evicted = gpu.try_acquire([b"a", b"x", b"y"])
@@ -193,6 +194,26 @@ def test_gpu_prefix_cache_refs_protect_and_head_is_most_recent():
     assert evicted == [(b"c", grant[1][2])]  # handed back for a store before its block is reused
     gpu.finish([b"a", b"x", b"y"], ids, publish=0)  # a failed request publishes nothing
     assert b"x" not in gpu.cached and gpu.refs == [0, 0, 0, 0]
+
+
+async def test_a_block_being_computed_is_a_hit_that_waits_until_it_is_valid():
+    gpu = GpuPrefixCache(8)
+    _, first, _ = gpu.try_acquire([b"a", b"b"])
+    n, second, _ = gpu.try_acquire([b"a", b"b", b"c"])  # a and b are still being computed
+    assert n == 2 and second[:2] == first
+    waiter = asyncio.ensure_future(gpu.ready(second[:n]))
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    gpu.publish([b"a", b"b"], first)  # their bytes are valid now
+    await asyncio.wait_for(waiter, 1)
+    # A request that fails before its blocks are valid takes them back, and its waiters fail.
+    _, third, _ = gpu.try_acquire([b"z"])
+    _, fourth, _ = gpu.try_acquire([b"z"])
+    waiter = asyncio.ensure_future(gpu.ready(fourth[:1]))
+    gpu.finish([b"z"], third, publish=0)
+    with pytest.raises(RuntimeError, match="failed"):
+        await waiter
+    assert b"z" not in gpu.cached
 
 
 async def test_metrics_port_serves_and_speed_paces(tmp_path):

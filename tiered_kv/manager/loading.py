@@ -99,6 +99,8 @@ class LoadPlanning:
             d_s[rest] = np.where(d_ready, found, -1)
             hit[rest] = d_ready
             pending[rest] |= (found >= 0) & (d_st == RESERVED)
+        self.mark_announced(keys, hit, pending)
+        hit &= ~pending  # announced keys are not loadable yet: the run stops there, in flight
         remote = np.zeros(n, dtype=bool)
         far = rest[~hit[rest] & ~pending[rest]]
         if len(far):

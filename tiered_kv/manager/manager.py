@@ -62,6 +62,7 @@ class TierManager(LoadPlanning):
         self.remote_known: Callable[[np.ndarray], np.ndarray] | None = None  # set by the facade
         self.remote_write: str | None = None  # "write_through" | "write_back" when a remote tier is up
         self._remote_spill: SpillJob | None = None  # write-back job of the last CPU eviction, for its plan
+        self.announced: dict[bytes, int] = {}  # keys a store has announced but not yet placed: in flight
 
     # -- lookup -----------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
@@ -84,6 +85,7 @@ class TierManager(LoadPlanning):
             disk_ready[rest] = (d_s >= 0) & (d_st == READY)
             pending[rest] = (d_s >= 0) & (d_st == RESERVED)  # being spilled
         hit = cpu_ready | disk_ready | pending
+        self.mark_announced(keys, hit, pending)
         remote = np.zeros(n, dtype=bool)
         if self.remote_known is not None:
             far = np.flatnonzero(~hit)
@@ -113,6 +115,8 @@ class TierManager(LoadPlanning):
             rest = np.flatnonzero(~local)
             local[rest] = self.disk.keys.find(rows[rest]) >= 0
         if self.remote_known is not None:
+            if self.announced:  # an announced store is in flight for lookup too
+                local |= np.fromiter((k in self.announced for k in keys), dtype=bool, count=len(keys))
             far = np.flatnonzero(~local)
             where[far[self.remote_hits(rows[far])]] = "remote"
         return where.tolist()
@@ -233,6 +237,29 @@ class TierManager(LoadPlanning):
             rest = np.flatnonzero(cpu_s < 0)
             d_s = self.disk.find_ready(rows[rest])
             self.disk.touch(d_s[d_s >= 0])
+
+    # -- announced stores ------------------------------------------------------------
+    def announce(self, keys: Sequence[bytes]) -> None:
+        """A store of these keys will be placed soon: until then lookups count them in flight."""
+        for key in keys:
+            self.announced[key] = self.announced.get(key, 0) + 1
+
+    def withdraw(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            left = self.announced.get(key, 0) - 1
+            if left > 0:
+                self.announced[key] = left
+            else:
+                self.announced.pop(key, None)
+
+    def mark_announced(self, keys: Sequence[bytes], hit: np.ndarray, pending: np.ndarray) -> None:
+        """Set ``pending`` (and ``hit``) for announced keys among the misses (a Python step per miss,
+        only while some store is announced: the announcements are few, the misses short)."""
+        if self.announced:
+            ann = self.announced
+            for i in np.flatnonzero(~hit).tolist():
+                if keys[i] in ann:
+                    pending[i] = hit[i] = True
 
     # -- session hints ---------------------------------------------------------------
     def hint(self, session, keys: Sequence[bytes]) -> None:

@@ -37,9 +37,10 @@ import asyncio
 import hashlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -74,6 +75,10 @@ class GpuPrefixCache:
         self.lru: OrderedDict[int, None] = OrderedDict()  # unreferenced cached gids, oldest first
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.dead: set[int] = set()  # cached gids of released sessions: evicted without a store
+        # Gids allocated and published before their bytes are valid (a running request computes or
+        # loads them); a concurrent request hits them and waits on the future before finishing.
+        self.pending: dict[int, asyncio.Future[None]] = {}
+        self.invalid: set[int] = set()  # pending gids whose request failed, still held by others
 
     def leading_hits(self, keys: Sequence[bytes]) -> int:
         n = 0
@@ -99,9 +104,22 @@ class GpuPrefixCache:
             self._ref(gid)
         evicted: list[tuple[bytes, int]] = []
         new_ids = [self._allocate(evicted) for _ in range(need)]
-        for gid in new_ids:
+        loop = asyncio.get_running_loop()
+        for key, gid in zip(keys[hits:], new_ids, strict=True):
             self.refs[gid] = 1
+            if key not in self.cached:  # visible at once, as in flight
+                self.cached[key] = gid
+                self.gid_key[gid] = key
+                self.pending[gid] = loop.create_future()
         return hits, hit_ids + new_ids, evicted
+
+    async def ready(self, gids: Sequence[int]) -> None:
+        """Wait until the blocks other requests are still computing or loading are valid."""
+        if any(g in self.invalid for g in gids):
+            raise RuntimeError("the request computing a block this one hit failed")
+        waits = [self.pending[g] for g in gids if g in self.pending]
+        if waits:
+            await asyncio.gather(*(asyncio.shield(f) for f in waits))
 
     def _ref(self, gid: int) -> None:
         if self.refs[gid] == 0:
@@ -129,23 +147,41 @@ class GpuPrefixCache:
         exclusive load already made the cache's copies the first to go.
         """
         for key, gid in zip(keys, gids, strict=True):
-            if key not in self.cached:
+            owner = self.cached.get(key)
+            if owner is None:
                 self.cached[key] = gid
                 self.gid_key[gid] = key
+            elif owner == gid and gid in self.pending:
+                self.pending.pop(gid).set_result(None)
 
     def finish(self, keys: Sequence[bytes], gids: Sequence[int], publish: int) -> None:
         """Drop the request's references, last block first, publishing its first ``publish`` blocks."""
         for i in range(len(keys) - 1, -1, -1):
             key, gid = keys[i], gids[i]
             owner = self.cached.get(key)
+            if owner == gid and gid in self.pending:  # never became valid: this request failed
+                fut = self.pending.pop(gid)
+                fut.set_exception(RuntimeError("the request computing this block failed"))
+                fut.exception()  # retrieved: requests waiting on it fail with it
+                del self.cached[key]
+                self.gid_key[gid] = None
+                self.invalid.add(gid)
+                owner = None
+            if gid in self.invalid:  # never valid: every holder gives it back, the last frees it
+                self.refs[gid] -= 1
+                if self.refs[gid] == 0:
+                    self.invalid.discard(gid)
+                    self.free.append(gid)
+                continue
             if owner == gid:
                 self.refs[gid] -= 1
                 if self.refs[gid] == 0:
                     self.lru[gid] = None
             elif owner is not None or i >= publish:
                 # A concurrent request published this key first (or it is not to be kept): give ours back.
-                self.refs[gid] = 0
-                self.free.append(gid)
+                self.refs[gid] -= 1
+                if self.refs[gid] == 0:
+                    self.free.append(gid)
                 if owner is not None and owner in self.lru:
                     self.lru.move_to_end(owner)
             else:
@@ -252,13 +288,13 @@ class EngineEmulator:
                 self._freed.clear()
                 await self._freed.wait()
 
-    async def _demote(self, evicted: list[tuple[bytes, int]]) -> None:
+    async def _demote(self, evicted: list[tuple[bytes, int]], after: Awaitable[Any] | None = None) -> None:
         """Store the blocks the GPU evicted, before their GPU blocks are rewritten (exclusive mode)."""
         # Newest first: the cache makes the first key of a call the most recent.
         keys = [k for k, _ in reversed(evicted)]
         gids = [g for _, g in reversed(evicted)]
         t0 = time.perf_counter()
-        res = await self.cache.store(keys, gids)
+        res = await self.cache.store(keys, gids, after=after)
         s = self.stats
         s.store_latency.append(time.perf_counter() - t0)
         s.stored += res.stored
@@ -304,6 +340,7 @@ class EngineEmulator:
             else:
                 self.cache.touch(keys[n_gpu:publish])
             await self._serve(keys, gids, n_gpu, publish, evicted if self.exclusive else [])
+            await self.gpu.ready(gids[:n_gpu])  # hits another request was still computing
             ok = True
         finally:
             self.gpu.finish(keys, gids, publish if ok else 0)
@@ -317,19 +354,29 @@ class EngineEmulator:
         self, keys: list[bytes], gids: list[int], n_gpu: int, publish: int, evicted: list[tuple[bytes, int]]
     ) -> None:
         s = self.stats
-        cache = self.cache
         s.hits_gpu += n_gpu
-        saved = False
+        # The GPU's victims go down once, before their blocks are rewritten, and (through the
+        # load's hook) after its reads: moving those blocks up frees room for the victims. The
+        # store is announced at once, so other requests wait for the victims instead of missing them.
+        gate = asyncio.Event()
+        saving = asyncio.ensure_future(self._demote(evicted, gate.wait())) if evicted else None
 
         async def save_evicted() -> None:
-            # The GPU's victims go down once, before their blocks are rewritten, and (through the
-            # load's hook) after its disk reads: moving those blocks up frees room for the victims.
-            nonlocal saved
-            if not saved:
-                saved = True
-                if evicted:
-                    await self._demote(evicted)
+            gate.set()
+            if saving is not None:
+                await asyncio.shield(saving)
 
+        try:
+            await self._serve_rest(keys, gids, n_gpu, publish, save_evicted)
+        finally:
+            gate.set()
+            if saving is not None:
+                await asyncio.gather(saving, return_exceptions=True)
+
+    async def _serve_rest(self, keys: list[bytes], gids: list[int], n_gpu: int, publish: int,
+                          save_evicted: Callable[[], Awaitable[None]]) -> None:  # fmt: skip
+        s = self.stats
+        cache = self.cache
         rest, rest_ids = keys[n_gpu:], gids[n_gpu:]
         if not rest:
             await save_evicted()
