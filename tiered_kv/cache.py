@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -21,42 +20,25 @@ import numpy as np
 from .backpressure import ByteBudget
 from .capacity import remote_blocks, tier_slots
 from .config import Config, check_capacities, load_config
-from .errors import BlockIdError, DiskError, HintError, LayoutError
+from .errors import BlockIdError, HintError, LayoutError
 from .identity import disk_namespace, make_keyer, remote_namespace
 from .ids import check_block_ids
 from .keys import check_keys
 from .layout import KVLayout
 from .lifecycle import Lifecycle, wait_to_end
-from .manager import LoadPlan, LookupResult, SpillJob, StorePlan, TierManager
+from .manager import LookupResult, TierManager
 from .metrics import CacheMetrics
-from .mover import CopyJob, DiskIO, Mover, load_handler, store_handler
+from .mover import DiskIO, Mover, load_handler, store_handler
+from .moves import Moves, StoreResult, _Op
 from .tiers.cpu import CpuSlabs
 from .transfer import CopyEngine, make_engine
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-INLINE_COPY_BYTES = 1 << 20  # host copies up to this size run on the loop: a thread hand-off costs more
 STAGING_BYTES = 64 << 20  # at most this much slab beside the CPU tier for exclusive loads' disk/remote hits
 
 
-@dataclass(frozen=True)
-class StoreResult:
-    stored: int = 0  # copied into new CPU slots
-    deduped: int = 0  # already resident (or repeated in the call): touched, not copied
-    in_flight: int = 0  # another store or promotion of the key is still in flight
-    skipped: int = 0  # did not fit (the trailing new keys), or the call was cancelled
-
-
-class _Op:
-    __slots__ = ("cancelled", "idle", "before_copy")
-
-    def __init__(self) -> None:
-        self.cancelled = False
-        self.idle = False  # True while the move holds nothing and issued no copy: safe to cancel outright
-        self.before_copy: Callable[[], Awaitable[Any]] | None = None  # a load's hook, run once
-
-
-class TieredKVCache(Lifecycle):
+class TieredKVCache(Moves, Lifecycle):
     """Async context manager over a bound KVLayout (see layout.KVLayout.from_tensors).
 
     ``rank``/``world_size`` (or an engine-supplied ``shard_id``) name the engine's
@@ -255,7 +237,7 @@ class TieredKVCache(Lifecycle):
         return result
 
     def tiers_of(self, keys: Sequence[bytes]) -> list[str]:
-        """The tier each key is resident in: "cpu", "disk" or "" (for reports and tests)."""
+        """The tier each key is in: "cpu", "disk", "remote" (known to the remote residency filter) or ""."""
         self._check_open()
         check_keys(keys, self._key_bytes)
         return self.manager.tiers_of(keys)
@@ -321,17 +303,6 @@ class TieredKVCache(Lifecycle):
         self.manager.announce(keys)
         return await self._run(lambda op: self._store_after(op, after, keys, ids, prefix), "store")
 
-    async def _store_after(self, op: _Op, after: Awaitable[Any], keys: list[bytes], ids: np.ndarray,
-                           prefix: list[bytes]) -> StoreResult:  # fmt: skip
-        op.idle = True  # nothing reserved yet: a cancel may stop it outright
-        try:
-            await after
-        finally:
-            op.idle = False
-            self.manager.withdraw(keys)  # the plan below takes over (same step): still in flight
-            self._progressed()
-        return await self._store_body(op, keys, ids, prefix)
-
     async def load(
         self,
         keys: Sequence[bytes],
@@ -390,203 +361,6 @@ class TieredKVCache(Lifecycle):
         result = await wait_to_end(task, stop)
         self.metrics.op_latency[op_name].observe(loop.time() - t0)
         return result
-
-    async def _wait_progress(self, op: _Op) -> None:
-        """Wait until some plan completes (room freed, an in-flight key landed); cancel-safe."""
-        if self._progress is None or self._progress.done():
-            self._progress = asyncio.get_running_loop().create_future()
-        op.idle = True
-        try:
-            await asyncio.shield(self._progress)
-        finally:
-            op.idle = False
-
-    def _progressed(self) -> None:
-        if self._progress is not None and not self._progress.done():
-            self._progress.set_result(None)
-
-    # -- store --------------------------------------------------------------------------
-    async def _store_body(self, op: _Op, keys: list[bytes], ids: np.ndarray, prefix: list[bytes]) -> StoreResult:
-        m = self.manager
-        stored = deduped = in_flight = 0
-        todo_keys, todo_ids = keys, ids
-        while True:
-            plan = m.prepare_store(todo_keys, todo_ids, prefix)
-            deduped, in_flight = deduped + plan.deduped, in_flight + plan.in_flight
-            stored += await self._execute_store(op, plan)
-            # Keys that found no slot after every evictable block was taken stay out: evicting
-            # this call's own blocks for them would cut the prefix's head. Only when nothing was
-            # placed (the tier is full of blocks other calls hold: pins, reservations) wait for
-            # one of those calls to finish, then place the rest.
-            if not plan.unplaced or op.cancelled or len(plan.cpu_slots):
-                break
-            if m.cpu.n_reserved == 0 and m.cpu.n_ready_pinned == 0:
-                break  # nothing will ever free room
-            await self._wait_progress(op)
-            rest = plan.unplaced_idx
-            prefix = prefix + todo_keys[: int(rest[0])] if len(rest) else prefix
-            todo_keys, todo_ids = [todo_keys[i] for i in rest.tolist()], todo_ids[rest]
-        skipped = len(keys) - stored - deduped - in_flight
-        if skipped:
-            self.metrics.skipped.inc(skipped)
-        return StoreResult(stored, deduped, in_flight, skipped)
-
-    async def _execute_store(self, op: _Op, plan: StorePlan) -> int:
-        m = self.manager
-        ok = False
-        try:
-            await self._spill_victims(plan.spill, plan.remote_spill)  # the reused slots' old blocks first
-            if len(plan.cpu_slots) and not op.cancelled:
-                await self.mover.run("gpu", "cpu", CopyJob(plan.gpu_ids, plan.cpu_slots))
-            # A caller that gave up may already reuse its GPU blocks: what we copied
-            # then cannot be trusted to match the keys. Discard it. A call with nothing
-            # to copy still commits: its resident keys are touched.
-            ok = not op.cancelled
-        finally:
-            write_through = m.complete_store(plan, ok)
-            remote_job = m.remote_write_job(plan) if ok and self.remote is not None else None
-            self._progressed()
-        if write_through is not None:
-            self.spawn(self._spill(write_through), background=True)
-        if remote_job is not None:
-            self.spawn(self._write_remote(remote_job), background=True)
-        return len(plan.cpu_slots) if ok else 0
-
-    async def _spill_victims(self, spill: SpillJob | None, remote_spill: SpillJob | None) -> None:
-        """Write-back of evicted slots, to disk and the remote tier at once, before the slots are reused."""
-        jobs = [job for job in (spill, remote_spill) if job is not None]
-        if len(jobs) == 2:
-            await asyncio.gather(self._spill(spill), self._write_remote(remote_spill))
-        elif spill is not None:
-            await self._spill(spill)
-        elif remote_spill is not None:
-            await self._write_remote(remote_spill)
-
-    async def _write_remote(self, job: SpillJob) -> None:
-        """CPU -> remote; never raises for Redis faults (the store degrades and answers False)."""
-        try:
-            await self.mover.run("cpu", "remote", job)
-        finally:
-            if self.manager.remote_known is not None:
-                self.manager.complete_remote_write(job)
-
-    async def _spill(self, job: SpillJob) -> None:
-        """CPU -> disk; the manager commits what was written. Never raises for disk faults."""
-        disk = self.disk
-        try:
-            ok = await self.mover.run("cpu", "disk", job) if disk is not None and disk.writable else None
-        except DiskError as exc:
-            disk.degrade(exc)
-            ok = None
-        finally:
-            if ok is None:
-                ok = np.zeros(len(job), dtype=bool)
-                self.metrics.drop("cpu", "spill_failed", len(job))
-            self.manager.complete_spill(job, ok)
-            self.metrics.spills.inc(int(np.count_nonzero(ok)))
-            self._progressed()
-
-    # -- load ---------------------------------------------------------------------------
-    async def _load_body(self, op: _Op, keys: list[bytes], ids: np.ndarray, exclusive: bool) -> int:
-        m = self.manager
-        loaded = 0
-        while loaded < len(keys) and not op.cancelled:
-            plan = m.prepare_load(keys[loaded:], self._max_promote, exclusive=exclusive)
-            if not len(plan):
-                if plan.stop == "in_flight" or (
-                    plan.stop == "room" and (m.cpu.n_reserved or m.cpu.n_ready_pinned or m.staging_in_use)
-                ):
-                    # Another call is storing or promoting it (or holds the room): wait, then go on.
-                    # The hook runs first: what we wait for may be a store it lets in.
-                    await self._before_copy(op)
-                    await self._wait_progress(op)
-                    continue
-                break
-            n = await self._execute_load(op, plan, ids[loaded:])
-            loaded += n
-            if n < len(plan) or plan.stop in ("", "miss"):
-                break
-        if not op.cancelled:
-            await self._before_copy(op)  # nothing was copied: the hook still runs once
-        return loaded
-
-    async def _execute_load(self, op: _Op, plan: LoadPlan, ids: np.ndarray) -> int:
-        m = self.manager
-        n = 0
-        promoted = False
-        try:
-            await self._spill_victims(plan.spill, plan.remote_spill)
-            n = len(plan)
-            if plan.promote is not None or plan.fetch is not None:
-                got = await asyncio.gather(self._promote(plan), self._fetch(plan))
-                promoted = True
-                if plan.promote is not None:
-                    ok = got[0]
-                    if ok is None:  # the read failed as a whole: a miss, but the disk copies may be fine
-                        n = m.complete_promote(plan, np.zeros(len(plan.promote), dtype=bool), corrupt=False)
-                    else:
-                        n = m.complete_promote(plan, ok)
-                if plan.fetch is not None:
-                    n = min(n, m.complete_fetch(plan, got[1]))
-                self._progressed()
-                if m.disk_invalidate and self.disk is not None:
-                    self.disk.invalidate(np.concatenate(m.disk_invalidate))
-                    m.disk_invalidate.clear()
-            if plan.restage is not None:
-                await self._restage(plan)
-            await self._before_copy(op)
-            if n and not op.cancelled:
-                await self.mover.run("cpu", "gpu", CopyJob(plan.cpu_slots[:n], ids[:n]))
-            else:
-                n = 0
-        except BaseException:
-            if (plan.promote is not None or plan.fetch is not None) and not promoted:
-                m.abort_load(plan)
-            n = 0
-            raise
-        finally:
-            if (plan.promote is None and plan.fetch is None) or promoted:
-                m.complete_load(plan, n)
-            self._progressed()
-        return n
-
-    async def _restage(self, plan: LoadPlan) -> None:
-        """Copy an exclusive load's CPU hits into their staging rows, then let their CPU slots go."""
-        src, dst = plan.restage
-        slab = self.slabs.slab_np
-
-        def copy() -> None:
-            slab[dst] = slab[src]
-
-        if len(src) * self.layout.bytes_per_block <= INLINE_COPY_BYTES:
-            copy()
-        else:
-            await asyncio.get_running_loop().run_in_executor(None, copy)
-        self.manager.complete_restage(plan)
-
-    @staticmethod
-    async def _before_copy(op: _Op) -> None:
-        hook, op.before_copy = op.before_copy, None
-        if hook is not None:
-            await hook()
-
-    async def _fetch(self, plan: LoadPlan) -> np.ndarray | None:
-        """Remote -> CPU: per-block arrived-and-verified mask (a gone or bad block is a miss)."""
-        if plan.fetch is None:
-            return None
-        return await self.mover.run("remote", "cpu", plan.fetch)
-
-    async def _promote(self, plan: LoadPlan) -> np.ndarray | None:
-        """Per-block verification result, or None when the read failed as a whole."""
-        if plan.promote is None:
-            return None
-        try:
-            return await self.mover.run("disk", "cpu", plan.promote)
-        except DiskError as exc:
-            log.warning("disk tier: a promotion of %d blocks failed (%s); treating them as misses",
-                        len(plan.promote), exc)  # fmt: skip
-            return None
-
 
 def _check_session(session: object) -> str | int:
     if isinstance(session, bool) or not isinstance(session, (str, int)):
