@@ -162,8 +162,10 @@ class Moves:
                     plan.stop == "room" and (m.cpu.n_reserved or m.cpu.n_ready_pinned or m.staging_in_use)
                 ):
                     # Another call is storing or promoting it (or holds the room): wait, then go on.
-                    # The hook runs first: what we wait for may be a store it lets in.
-                    await self._before_copy(op)
+                    # The hook runs first (what we wait for may be a store it lets in), then plan again.
+                    if op.before_copy is not None:
+                        await self._before_copy(op)
+                        continue
                     await self._wait_progress(op)
                     continue
                 break

@@ -88,3 +88,25 @@ async def test_lookup_counts_a_spill_in_flight_and_wait_for_returns_once_it_land
         assert (done.total, done.disk, done.pending) == (2, 2, 0)
         await task
         assert await cache.load(a, [20, 21]) == 2 and holds(kv, 20, a[0])
+
+
+async def test_a_load_waiting_for_a_store_its_own_hook_lets_in_does_not_hang(device):
+    """The engine's save (before_copy) releases an announced store of keys the load waits for."""
+    kv = make_kv(64, device)
+    async with cache_for(kv, config(cpu_blocks=8)) as cache:
+        keys = cache.keyer.keys_for_block_ids(range(3))
+        for gid, key in enumerate(keys):
+            fill(kv, gid, key)
+        await cache.store(keys[:1], [0])
+        gate = asyncio.Event()
+        saving = asyncio.ensure_future(cache.store(keys[1:], [1, 2], after=gate.wait()))
+        await asyncio.sleep(0)
+        assert cache.lookup(keys).pending == 2  # announced: in flight, not a miss
+
+        async def save() -> None:
+            gate.set()
+            await saving
+
+        # Nothing of the run is loadable yet: the load waits, after running its hook.
+        n = await asyncio.wait_for(cache.load(keys[1:], [11, 12], exclusive=True, before_copy=save), 5)
+        assert n == 2 and holds(kv, 11, keys[1]) and holds(kv, 12, keys[2])

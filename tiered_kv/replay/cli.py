@@ -51,26 +51,18 @@ def run_replay_cli(args: argparse.Namespace) -> int:
         cfg, split = with_capacity_share(cfg, requests, share)
     console = Console()
     show_progress = not (args.json or args.no_progress) and console.is_terminal
-    fleet = None
-    if cfg.tiers.remote.enabled:  # --instances N (1 included) over the shared remote tier
-        fleet = _with_progress(
-            console if show_progress else None,
-            len(requests),
-            lambda on_done: run_fleet(
-                cfg, requests, keep_disk=keep_disk, on_done=on_done, metrics_port=args.metrics_port,
-                block_tokens=BLOCK_TOKENS,
-            ),
-        )
-        result = fleet.total
-    else:
-        result = _with_progress(
-            console if show_progress else None,
-            len(requests),
-            lambda on_done: run_replay(
-                cfg, requests, keep_disk=keep_disk, on_done=on_done, metrics_port=args.metrics_port,
-                block_tokens=BLOCK_TOKENS,
-            ),
-        )
+    # --instances N (1 included) runs over the shared remote tier; without one, a single replay.
+    runner = run_fleet if cfg.tiers.remote.enabled else run_replay
+    out = _with_progress(
+        console if show_progress else None,
+        len(requests),
+        lambda on_done: runner(
+            cfg, requests, keep_disk=keep_disk, on_done=on_done, metrics_port=args.metrics_port,
+            block_tokens=BLOCK_TOKENS,
+        ),
+    )
+    fleet = out if cfg.tiers.remote.enabled else None
+    result = fleet.total if fleet is not None else out
     sims = simulate(requests, result.total_blocks, block_tokens=result.block_tokens)
     workload = str(args.trace) if args.trace else f"built-in chat workload (seed {cfg.replay.seed})"
     report = build_report(result, sims, workload=workload, unique=unique_blocks(requests), split=split)
