@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from cache_proc import cache_config, make_kv, pattern
 
@@ -79,3 +80,30 @@ async def test_a_dead_server_degrades_the_tier_and_the_cache_keeps_serving(redis
         assert all(holds(kv, 30 + i, keys[i]) for i in range(4))
         assert (await cache.store(more, [4, 5, 6, 7])).stored == 4
         assert cache.stats()["remote"]["degraded"]
+
+
+async def test_a_block_gone_from_redis_is_a_miss_at_load_time(redis_server):
+    assert store_in_other_process(redis_server.url, 3) == (3, 3)
+    kv, cache = open_cache(redis_server.url)
+    async with cache:
+        keys = cache.keyer.keys_for_block_ids(range(3))
+        assert (await cache.probe(keys)).remote == 3
+        redis_server.cli("flushall")  # evicted by Redis (or another instance) after the probe
+        assert cache.lookup(keys).remote == 3  # still believed present: lookup never asks the network
+        assert await cache.load(keys, [20, 21, 22]) == 0  # a miss, not an error
+        assert cache.lookup(keys).total == 0  # and forgotten
+        cache.check_invariants()
+
+
+async def test_an_unreachable_server_fails_start_naming_the_url_without_its_password(monkeypatch):
+    from redis_helpers import free_port
+
+    monkeypatch.setenv("TKV_TEST_REDIS_PASSWORD", "s3cret")
+    cfg = cache_config(f"redis://127.0.0.1:{free_port()}/0")
+    cfg["tiers"]["remote"]["password_env"] = "TKV_TEST_REDIS_PASSWORD"
+    cfg["tiers"]["remote"]["timeout"] = 0.5
+    kv = make_kv()
+    cache = tkv.TieredKVCache(cfg, tkv.KVLayout.from_tensors(kv, 64))
+    with pytest.raises(tkv.RemoteError, match="127.0.0.1") as err:
+        await cache.start()
+    assert "s3cret" not in str(err.value)

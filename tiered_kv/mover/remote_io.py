@@ -20,12 +20,18 @@ from ..metrics import CacheMetrics
 from ..tiers.remote import RemoteResidency, RemoteStore
 
 
+REJECTED_KEYS = 1 << 16
+
+
 class RemoteIO:
     """Write (CPU -> remote) and promote (remote -> CPU) batches against one RemoteStore."""
 
     def __init__(self, store: RemoteStore, residency: RemoteResidency, metrics: CacheMetrics) -> None:
         self.store = store
         self.residency = residency
+        # Keys whose value was answered but gone or bad: a probe that finds the bad value still
+        # there does not offer it again (bounded; the oldest are forgotten).
+        self.rejected = RemoteResidency(REJECTED_KEYS)
         self._metrics = metrics
 
     @classmethod
@@ -55,6 +61,7 @@ class RemoteIO:
             return np.zeros(len(job), dtype=bool)
         if ok.any():
             self.residency.add(job.keys[ok])
+            self.rejected.discard(job.keys[ok])  # our own good value replaced whatever was there
         return ok
 
     async def read(self, job: Any) -> np.ndarray:
@@ -66,11 +73,13 @@ class RemoteIO:
         gone = answered & ~ok
         if gone.any():
             self.residency.discard(job.keys[gone])
+            self.rejected.add(job.keys[gone])
         return ok
 
     async def probe(self, keys: np.ndarray) -> np.ndarray:
         """Ask Redis which keys it holds (one pipelined EXISTS batch) and remember the present ones."""
         present = await self.store.exists(keys)
+        present &= ~self.rejected.known(keys)
         if present.any():
             self.residency.add(keys[present])
         return present
