@@ -19,7 +19,6 @@ from ..errors import KeyFormatError, SlotError
 from ..metrics import CacheMetrics
 from ..tiers.remote import RemoteResidency, RemoteStore
 
-
 REJECTED_KEYS = 1 << 16
 
 
