@@ -92,7 +92,7 @@ class TieredKVCache(Moves, Lifecycle):
         return TierManager(
             self._slots["cpu"], self._slots.get("disk"), self._key_bytes, cfg.eviction.policy,
             write_through=cfg.tiers.disk.spill_policy == "write_through", on_event=self._count_event,
-            staging_slots=self._staging,
+            staging_slots=self._staging, protect_share=cfg.eviction.protect_share,
         )  # fmt: skip
 
     def _count_event(self, kind: str, tier: str, n: int) -> None:
@@ -207,16 +207,21 @@ class TieredKVCache(Moves, Lifecycle):
         if len(rows) and not self.remote.store.degraded:
             self._probing = self.spawn(self.remote.probe(rows), background=True)
 
-    def touch(self, keys: Sequence[bytes], *, session: str | int | None = None) -> None:
+    def touch(
+        self, keys: Sequence[bytes], *, session: str | int | None = None, expect_followup: bool = False
+    ) -> None:
         """Mark resident keys as used, last first, so a prefix's head is the most recent.
 
-        ``session``: the keys are that live session's current chain (see ``release``).
+        ``session``: the keys are that live session's current chain (see ``release``);
+        ``expect_followup``: the frontend expects its next turn, so its blocks are
+        protected (an eviction gives them a second chance), up to ``eviction.protect_share``
+        of the CPU + disk slots over all sessions (the oldest lose it first).
         """
         self._check_open()
         check_keys(keys, self._key_bytes)
         self.manager.touch(keys)
         if session is not None:
-            self.manager.hint(_check_session(session), keys)
+            self.manager.hint(_check_session(session), keys, bool(expect_followup))
 
     def release(self, session: str | int) -> list[bytes]:
         """The session ended: its chain's blocks no live session shares become the first to evict.
@@ -279,6 +284,7 @@ class TieredKVCache(Moves, Lifecycle):
         *,
         prefix: Sequence[bytes] = (),
         session: str | int | None = None,
+        expect_followup: bool = False,
         after: Awaitable[Any] | None = None,
     ) -> StoreResult:
         """Copy the GPU blocks of keys not yet resident into CPU slots.
@@ -286,7 +292,7 @@ class TieredKVCache(Moves, Lifecycle):
         ``prefix``: the keys of the chain before ``keys[0]`` when this call stores a
         continuation (the next chunk of a chunked prefill). The chain's resident blocks
         are never evicted to make room for it, and the whole chain is touched, head most
-        recent, so no block outlives its parent. ``session``: see ``touch``.
+        recent, so no block outlives its parent. ``session``, ``expect_followup``: see ``touch``.
         ``after``: the store waits for it before it takes any room, and meanwhile its keys
         count as in flight (``lookup``'s ``pending``): a concurrent load waits for them
         instead of missing them. An engine saving blocks its own cache is about to reuse
@@ -297,7 +303,7 @@ class TieredKVCache(Moves, Lifecycle):
             check_keys(prefix, self._key_bytes)
         keys, prefix = list(keys), list(prefix)
         if session is not None:
-            self.manager.hint(_check_session(session), prefix + keys)
+            self.manager.hint(_check_session(session), prefix + keys, bool(expect_followup))
         if after is None:
             return await self._run(lambda op: self._store_body(op, keys, ids, prefix), "store")
         self.manager.announce(keys)

@@ -217,6 +217,8 @@ class TiersConfig(_Section):
 
 class EvictionConfig(_Section):
     policy: PolicyName = "lru"
+    # Share of the CPU + disk slots that live sessions expecting a follow-up may protect (hints).
+    protect_share: float = Field(0.5, ge=0, le=1)
 
 
 class TransferConfig(_Section):

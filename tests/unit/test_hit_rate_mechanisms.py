@@ -139,3 +139,33 @@ def test_lookup_counts_blocks_in_flight_as_pending_hits():
     assert m.lookup(ks).in_flight
     m.complete_store(plan, False)  # the copy failed: they were never hits
     assert m.lookup(ks) == LookupResult(2, 2, 0, 0)
+
+
+def test_a_live_session_expecting_a_follow_up_gets_a_second_chance():
+    m = TierManager(6, None, 32, protect_share=1.0)
+    s1, other = keys("s1", 2), keys("other", 2)
+    store(m, s1)
+    m.hint("one", s1, protect=True)
+    store(m, other)
+    store(m, keys("x", 2))
+    store(m, keys("new", 2))  # LRU would take s1 (the oldest): it is protected, "other" goes
+    assert m.lookup(s1).total == 2 and m.lookup(other).total == 0
+    m.release("one")  # released: no protection, and first to go
+    store(m, keys("more", 2))
+    assert m.lookup(s1).total == 0
+    m.check_invariants()
+
+
+def test_protection_is_capped_and_the_oldest_session_loses_it_first():
+    m = TierManager(6, None, 32, protect_share=0.5)  # at most 3 protected keys
+    s1, s2 = keys("s1", 2), keys("s2", 2)
+    store(m, s1)
+    m.hint("one", s1, protect=True)
+    store(m, s2)
+    m.hint("two", s2, protect=True)  # 4 > 3: "one" loses its protection (still live)
+    assert m.sessions.n_protected == 2 and "one" in m.sessions
+    store(m, keys("x", 2))
+    store(m, keys("new", 2))  # s1 is the oldest and unprotected now
+    assert m.lookup(s1).total == 0 and m.lookup(s2).total == 2
+    store(m, keys("newer", 2))  # s2 is the oldest now, but protected: x goes
+    assert m.lookup(s2).total == 2 and m.lookup(keys("x", 2)).total == 0

@@ -46,6 +46,7 @@ class TierManager(LoadPlanning):
         write_through: bool = False,
         max_events: int = 1 << 16,
         staging_slots: int = 0,
+        protect_share: float = 0.0,
         on_event: Callable[[str, str, int], None] | None = None,
     ) -> None:
         self.key_bytes = key_bytes
@@ -56,7 +57,7 @@ class TierManager(LoadPlanning):
         self._events: deque[tuple[str, str, np.ndarray]] = deque(maxlen=max_events)
         self.disk_invalidate: list[np.ndarray] = []  # disk slots dropped for good: the store forgets them
         self._on_event = on_event  # (kind, tier, count): the facade's metrics
-        self.sessions = Sessions(key_bytes)
+        self.sessions = Sessions(key_bytes, max_protected=int(protect_share * (cpu_slots + (disk_slots or 0))))
         # Slab rows cpu_slots .. cpu_slots + staging_slots - 1: exclusive loads stage through them.
         self.staging = Staging(cpu_slots, staging_slots) if staging_slots > 0 else None
         self.remote_known: Callable[[np.ndarray], np.ndarray] | None = None  # set by the facade
@@ -262,10 +263,14 @@ class TierManager(LoadPlanning):
                     pending[i] = hit[i] = True
 
     # -- session hints ---------------------------------------------------------------
-    def hint(self, session, keys: Sequence[bytes]) -> None:
-        """``keys`` are the live session's current chain (see sessions.Sessions)."""
-        self.sessions.register(session, key_rows(keys, self.key_bytes).copy() if len(keys) else
-                               np.zeros((0, self.key_bytes), dtype=np.uint8))  # fmt: skip
+    def hint(self, session, keys: Sequence[bytes], protect: bool = False) -> None:
+        """``keys`` are the live session's current chain; ``protect``: a follow-up is expected."""
+        rows = key_rows(keys, self.key_bytes).copy() if len(keys) else np.zeros((0, self.key_bytes), np.uint8)
+        self.sessions.register(session, rows, protect)
+        if protect:
+            for tier in (self.cpu, self.disk):
+                if tier is not None:
+                    tier.protect = self.sessions.protected
 
     def release(self, session) -> list[bytes]:
         """The session ended: its chain's unshared blocks become first eviction candidates everywhere.

@@ -8,6 +8,11 @@ its chain that no other live session shares: the manager makes them the first
 eviction candidates in every tier. A shared head (a system prompt) stays
 where the policy put it as long as some live session still holds it.
 
+A session registered with ``protect`` (the frontend expects a follow-up) has its
+chain protected: an eviction that picks one of its blocks gives it a second
+chance instead. At most ``max_protected`` keys are protected; beyond that the
+oldest protected sessions lose their protection (they stay live).
+
 Held per live session, bounded by ``max_sessions`` (the oldest are forgotten
 without release when more arrive) and per key of a live chain by a reference
 count; nothing here is per resident block.
@@ -26,11 +31,14 @@ EMPTY_ROWS = np.zeros((0, 0), dtype=np.uint8)
 class Sessions:
     """Live sessions' chains and how many live sessions hold each key."""
 
-    def __init__(self, key_bytes: int, max_sessions: int = 1 << 16) -> None:
+    def __init__(self, key_bytes: int, max_sessions: int = 1 << 16, max_protected: int = 0) -> None:
         self.key_bytes = key_bytes
         self.max_sessions = max_sessions
+        self.max_protected = max_protected
         self._chains: OrderedDict[Hashable, np.ndarray] = OrderedDict()
         self._refs: dict[bytes, int] = {}
+        self._protected: OrderedDict[Hashable, None] = OrderedDict()  # oldest first
+        self._prot_refs: dict[bytes, int] = {}
 
     def __len__(self) -> int:
         return len(self._chains)
@@ -38,29 +46,54 @@ class Sessions:
     def __contains__(self, session: object) -> bool:
         return session in self._chains
 
-    def register(self, session: Hashable, rows: np.ndarray) -> None:
+    def register(self, session: Hashable, rows: np.ndarray, protect: bool = False) -> None:
         """``rows`` (``uint8[n, key_bytes]``) become the session's chain; the session becomes the newest."""
         old = self._chains.pop(session, None)
+        self._unprotect(session, old)
         self._chains[session] = rows
-        self._count(rows, +1)
+        self._count(self._refs, rows, +1)
         if old is not None:
-            self._count(old, -1)
+            self._count(self._refs, old, -1)
+        if protect and self.max_protected > 0:
+            self._protected[session] = None
+            self._count(self._prot_refs, rows, +1)
+            while len(self._prot_refs) > self.max_protected and self._protected:
+                oldest = next(iter(self._protected))
+                self._unprotect(oldest, self._chains[oldest])
         while len(self._chains) > self.max_sessions:
-            _, dropped = self._chains.popitem(last=False)
-            self._count(dropped, -1)
+            dropped_session, dropped = self._chains.popitem(last=False)
+            self._unprotect(dropped_session, dropped)
+            self._count(self._refs, dropped, -1)
+
+    def protected(self, rows: np.ndarray) -> np.ndarray:
+        """Which rows belong to a protected live chain (a dict lookup per row; none when nothing is)."""
+        if not self._prot_refs or not len(rows):
+            return np.zeros(len(rows), dtype=bool)
+        refs = self._prot_refs
+        return np.fromiter((bytes(r) in refs for r in rows), dtype=bool, count=len(rows))
+
+    @property
+    def n_protected(self) -> int:
+        return len(self._prot_refs)
+
+    def _unprotect(self, session: Hashable, rows: np.ndarray | None) -> None:
+        if session in self._protected:
+            del self._protected[session]
+            self._count(self._prot_refs, rows, -1)
 
     def release(self, session: Hashable) -> np.ndarray:
         """Forget the session; its chain's rows no live session holds any more (chain order)."""
         rows = self._chains.pop(session, None)
         if rows is None:
             return np.zeros((0, self.key_bytes), dtype=np.uint8)
-        self._count(rows, -1)
+        self._unprotect(session, rows)
+        self._count(self._refs, rows, -1)
         refs = self._refs
         unshared = np.fromiter((bytes(r) not in refs for r in rows), dtype=bool, count=len(rows))
         return rows[unshared]
 
-    def _count(self, rows: np.ndarray, delta: int) -> None:
-        refs = self._refs
+    @staticmethod
+    def _count(refs: dict[bytes, int], rows: np.ndarray, delta: int) -> None:
         for key in {bytes(r) for r in rows}:  # a chain names a key once; a set guards against repeats
             n = refs.get(key, 0) + delta
             if n > 0:

@@ -199,7 +199,7 @@ class EngineEmulator:
             # Touched before the GPU's victims go down: the blocks this request will load must
             # not be pushed out by its own demotions (a flat LRU looks them up before inserting).
             if self.hints and req.session is not None:
-                self.cache.touch(keys[:publish], session=req.session)
+                self.cache.touch(keys[:publish], session=req.session, expect_followup=not req.last_turn)
             else:
                 self.cache.touch(keys[n_gpu:publish])
             await self._serve(keys, gids, n_gpu, publish, evicted if self.exclusive else [])
