@@ -107,3 +107,24 @@ async def test_an_unreachable_server_fails_start_naming_the_url_without_its_pass
     with pytest.raises(tkv.RemoteError, match="127.0.0.1") as err:
         await cache.start()
     assert "s3cret" not in str(err.value)
+
+
+async def test_write_back_sends_a_block_to_redis_only_when_the_cpu_evicts_it(redis_server):
+    cfg = cache_config(redis_server.url)
+    cfg["tiers"]["cpu"]["capacity"] = 4 * 1024
+    cfg["tiers"]["remote"]["write"] = "write_back"
+    kv = make_kv()
+    async with tkv.TieredKVCache(cfg, tkv.KVLayout.from_tensors(kv, 64)) as cache:
+        keys = cache.keyer.keys_for_block_ids(range(6))
+        for i, key in enumerate(keys):
+            for t in kv.values():
+                t[i] = pattern(key, t.shape[1])
+        await cache.store(keys[:4], [0, 1, 2, 3])
+        rows = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(6, -1)
+        assert not cache.remote.residency.known(rows).any()  # nothing evicted yet: nothing written
+        await cache.store(keys[4:], [4, 5])  # evicts two: written to Redis before their slots are reused
+        assert int(cache.remote.residency.known(rows).sum()) == 2
+        gone = [k for k in keys[:4] if cache.tiers_of([k]) == ["remote"]]
+        assert len(gone) == 2
+        assert await cache.load(gone, [40, 41]) == 2
+        assert holds(kv, 40, gone[0]) and holds(kv, 41, gone[1])
