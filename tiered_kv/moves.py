@@ -33,12 +33,14 @@ class StoreResult:
 
 
 class _Op:
-    __slots__ = ("cancelled", "idle", "before_copy")
+    __slots__ = ("cancelled", "idle", "before_copy", "hold", "base")
 
     def __init__(self) -> None:
         self.cancelled = False
         self.idle = False  # True while the move holds nothing and issued no copy: safe to cancel outright
         self.before_copy: Callable[[], Awaitable[Any]] | None = None  # a load's hook, run once
+        self.hold: Any = None  # an exclusive load's pins on its run (manager.loading.RunHold)
+        self.base = 0  # position in the load's keys of the chunk being planned
 
 
 class Moves:
@@ -154,8 +156,21 @@ class Moves:
     # -- load ---------------------------------------------------------------------------
     async def _load_body(self, op: _Op, keys: list[bytes], ids: np.ndarray, exclusive: bool) -> int:
         m = self.manager
+        if exclusive and m.staging is not None:
+            op.hold = m.hold_run(keys)
+        try:
+            return await self._load_chunks(op, keys, ids, exclusive)
+        finally:
+            if op.hold is not None:
+                m.release_hold(op.hold, len(keys))
+                op.hold = None
+                self._progressed()
+
+    async def _load_chunks(self, op: _Op, keys: list[bytes], ids: np.ndarray, exclusive: bool) -> int:
+        m = self.manager
         loaded = 0
         while loaded < len(keys) and not op.cancelled:
+            op.base = loaded
             plan = m.prepare_load(keys[loaded:], self._max_promote, exclusive=exclusive)
             if not len(plan):
                 if plan.stop == "in_flight" or (
@@ -165,6 +180,10 @@ class Moves:
                     # The hook runs first (what we wait for may be a store it lets in), then plan again.
                     if op.before_copy is not None:
                         await self._before_copy(op)
+                        continue
+                    if op.hold is not None:  # never wait while holding room another call may need
+                        m.release_hold(op.hold, len(keys))
+                        op.hold = None
                         continue
                     await self._wait_progress(op)
                     continue
@@ -201,6 +220,8 @@ class Moves:
                     m.disk_invalidate.clear()
             if plan.restage is not None:
                 await self._restage(plan)
+            if op.hold is not None:  # this chunk's blocks moved up: the room they leave is free now
+                m.release_hold(op.hold, op.base + len(plan))
             await self._before_copy(op)
             if n and not op.cancelled:
                 await self.mover.run("cpu", "gpu", CopyJob(plan.cpu_slots[:n], ids[:n]))

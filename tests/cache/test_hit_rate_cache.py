@@ -110,3 +110,21 @@ async def test_a_load_waiting_for_a_store_its_own_hook_lets_in_does_not_hang(dev
         # Nothing of the run is loadable yet: the load waits, after running its hook.
         n = await asyncio.wait_for(cache.load(keys[1:], [11, 12], exclusive=True, before_copy=save), 5)
         assert n == 2 and holds(kv, 11, keys[1]) and holds(kv, 12, keys[2])
+
+
+async def test_an_exclusive_load_in_chunks_keeps_its_later_chunks_while_the_engine_saves(device):
+    """The engine's save after the first chunk must not push out blocks the later chunks load."""
+    kv = make_kv(64, device)
+    async with cache_for(kv, config(cpu_blocks=8)) as cache:  # staging: 4 rows, so two chunks
+        run = cache.keyer.keys_for_block_ids(range(8))
+        await stored(cache, kv, run, 0)
+        victims = cache.keyer.keys_for_block_ids(range(100, 106))
+        for i, key in enumerate(victims):
+            fill(kv, 20 + i, key)
+
+        async def save() -> None:  # six blocks the engine's own cache evicts for this request
+            await cache.store(victims, list(range(20, 26)))
+
+        n = await cache.load(run, list(range(40, 48)), exclusive=True, before_copy=save)
+        assert n == 8 and all(holds(kv, 40 + i, run[i]) for i in range(8))
+        cache.check_invariants()

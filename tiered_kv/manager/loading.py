@@ -8,6 +8,7 @@ is shared with the store half in manager.py without passing it around.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -36,6 +37,16 @@ def first_repeat(keys: Sequence[bytes]) -> int:
     """Index of the first key that repeats an earlier one, or len(keys)."""
     mask = repeats(keys)
     return len(keys) if mask is None else int(np.argmax(mask))
+
+
+@dataclass
+class RunHold:
+    """Pins an exclusive load holds on its run's blocks (positions in its keys), released chunk by chunk."""
+
+    cpu_pos: np.ndarray
+    cpu_slots: np.ndarray
+    disk_pos: np.ndarray
+    disk_slots: np.ndarray
 
 
 class Staging:
@@ -176,6 +187,38 @@ class LoadPlanning:
         plan.staged = staged
         plan.restage = (cpu_src, staged[c])
         return plan
+
+    def hold_run(self, keys: Sequence[bytes]) -> RunHold:
+        """Pin the CPU and disk blocks of the keys' leading run for an exclusive load.
+
+        Its chunks go up one at a time, and the engine saves its own victims after the
+        first: without the hold, that save could push out the blocks of the later chunks,
+        which a flat cache would find (it looks a request up before it inserts anything).
+        """
+        n = first_repeat(keys)
+        if n == 0:
+            return RunHold(EMPTY, EMPTY, EMPTY, EMPTY)
+        rows = key_rows(keys[:n], self.key_bytes)
+        cpu_s = self.cpu.find_ready(rows)
+        d_s = self.disk.find_ready(rows) if self.disk is not None else np.full(n, -1, dtype=np.int64)
+        d_s[cpu_s >= 0] = -1
+        miss = (cpu_s < 0) & (d_s < 0)
+        run = int(np.argmax(miss)) if miss.any() else n
+        cpu_pos = np.flatnonzero(cpu_s[:run] >= 0)
+        disk_pos = np.flatnonzero(d_s[:run] >= 0)
+        hold = RunHold(cpu_pos, cpu_s[cpu_pos], disk_pos, d_s[disk_pos])
+        self.cpu.pin(hold.cpu_slots)
+        self.disk_pin(hold.disk_slots)
+        return hold
+
+    def release_hold(self, hold: RunHold, stop: int) -> None:
+        """Unpin the held blocks of positions below ``stop`` (a chunk's own pins take over)."""
+        c = hold.cpu_pos < stop
+        d = hold.disk_pos < stop
+        self.cpu.unpin(hold.cpu_slots[c])
+        self.disk_unpin(hold.disk_slots[d])
+        hold.cpu_pos, hold.cpu_slots = hold.cpu_pos[~c], hold.cpu_slots[~c]
+        hold.disk_pos, hold.disk_slots = hold.disk_pos[~d], hold.disk_slots[~d]
 
     def complete_restage(self, plan: LoadPlan) -> None:
         """The CPU hits are in their staging rows: their CPU copies become the first to go."""
