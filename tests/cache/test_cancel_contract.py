@@ -90,7 +90,8 @@ async def test_cancelled_loads_and_stores_never_touch_blocks_after_returning(dev
                         write(kv, ids[0], k)
                         await cache.store([k], [ids[0]])
                         owner[ids[0]] = k
-                n = await _cancel_after(rng, cache.load(keys, ids))
+                # Half of them exclusive: staged, restaged, with the run held chunk by chunk.
+                n = await _cancel_after(rng, cache.load(keys, ids, exclusive=rng.random() < 0.5))
                 if n is None:
                     cancelled += 1
                 else:
@@ -123,6 +124,8 @@ async def test_cancelled_loads_and_stores_never_touch_blocks_after_returning(dev
                 want = pattern(stored_keys[k], region.shape[1])
                 assert torch.equal(region[slot], want), f"CPU slot {slot} region {r} holds wrong bytes"
         cache.check_invariants()
+        m = cache.manager
+        assert (m.staging_in_use, m.cpu.n_ready_pinned, m.cpu.n_reserved, len(m.announced)) == (0, 0, 0, 0)
 
 
 async def test_a_cancelled_load_waits_for_its_copy_before_raising(device):
