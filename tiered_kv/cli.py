@@ -141,34 +141,24 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"tiered-kv: error: {where}{_one_line(message)} (see {self.prog} --help)\n")
 
 
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (1-65535)")
-    return port
+def _ranged(kind: type, what: str, ok, refusal: str):
+    """An argparse type: ``kind(text)`` (else "is not {what}") that ``ok`` accepts (else ``refusal``)."""
+
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not ok(value):  # NaN fails every comparison, so it is refused too
+            raise argparse.ArgumentTypeError(refusal.format(value=value, text=text))
+        return value
+
+    return convert
 
 
-def _share(text: str) -> float:
-    try:
-        share = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < share <= 1:  # NaN fails this too
-        raise argparse.ArgumentTypeError(f"{text} is not a share: use 0 < F <= 1 (0.05 for 5 %)")
-    return share
-
-
-def _instances(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if not 1 <= n <= 64:
-        raise argparse.ArgumentTypeError(f"{n} instances: use 1 to 64")
-    return n
+_port = _ranged(int, "a port number", lambda v: 1 <= v <= 65535, "{value} is not a TCP port (1-65535)")
+_share = _ranged(float, "a number", lambda v: 0 < v <= 1, "{text} is not a share: use 0 < F <= 1 (0.05 for 5 %)")
+_instances = _ranged(int, "a whole number", lambda v: 1 <= v <= 64, "{value} instances: use 1 to 64")
 
 
 def _one_line(text: str) -> str:
