@@ -27,6 +27,7 @@ from .keys import check_keys
 from .layout import KVLayout
 from .lifecycle import Lifecycle, wait_to_end
 from .manager import LookupResult, TierManager
+from .manager.loading import key_rows
 from .metrics import CacheMetrics
 from .mover import DiskIO, Mover, load_handler, store_handler
 from .moves import Moves, StoreResult, _Op
@@ -189,7 +190,7 @@ class TieredKVCache(Moves, Lifecycle):
         result = self.lookup(keys)
         if self.remote is not None and result.total < len(keys):
             rest = keys[result.total :]
-            await self.remote.probe(np.frombuffer(b"".join(rest), dtype=np.uint8).reshape(len(rest), -1))
+            await self.remote.probe(key_rows(rest, self._key_bytes))
             result = self.lookup(keys)
         return result
 
@@ -202,7 +203,7 @@ class TieredKVCache(Moves, Lifecycle):
             asyncio.get_running_loop()
         except RuntimeError:  # called off the loop thread: nothing to schedule on
             return
-        rows = np.frombuffer(b"".join(keys[:4096]), dtype=np.uint8).reshape(-1, self._key_bytes)
+        rows = key_rows(keys[:4096], self._key_bytes)
         rows = rows[~self.remote.residency.known(rows)]
         if len(rows) and not self.remote.store.degraded:
             self._probing = self.spawn(self.remote.probe(rows), background=True)

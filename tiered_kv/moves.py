@@ -120,13 +120,13 @@ class Moves:
 
     async def _spill_victims(self, spill: SpillJob | None, remote_spill: SpillJob | None) -> None:
         """Write-back of evicted slots, to disk and the remote tier at once, before the slots are reused."""
-        jobs = [job for job in (spill, remote_spill) if job is not None]
-        if len(jobs) == 2:
-            await asyncio.gather(self._spill(spill), self._write_remote(remote_spill))
-        elif spill is not None:
-            await self._spill(spill)
-        elif remote_spill is not None:
-            await self._write_remote(remote_spill)
+        writes = []
+        if spill is not None:
+            writes.append(self._spill(spill))
+        if remote_spill is not None:
+            writes.append(self._write_remote(remote_spill))
+        if writes:
+            await asyncio.gather(*writes)
 
     async def _write_remote(self, job: SpillJob) -> None:
         """CPU -> remote; never raises for Redis faults (the store degrades and answers False)."""

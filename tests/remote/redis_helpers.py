@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tiered_kv.config import RemoteTierConfig
+from tiered_kv.config_tiers import RemoteTierConfig
 from tiered_kv.metrics import CacheMetrics
 from tiered_kv.tiers.cpu import CpuSlabs
 

@@ -16,7 +16,8 @@ import tiered_kv as tkv
 from tiered_kv.cli import main
 from tiered_kv.replay.engine import EngineEmulator, key_patterns, region_rows, run_requests
 from tiered_kv.replay.gpu_cache import GpuPrefixCache
-from tiered_kv.replay.run import load_requests, make_kv, replay_async, resolve_config, run_replay
+from tiered_kv.replay.instance import make_kv
+from tiered_kv.replay.run import load_requests, replay_async, resolve_config, run_replay
 from tiered_kv.replay.trace import Request
 from tiered_kv.tiers.disk.format import DATA_FILE, HEADER_SIZE
 

@@ -157,10 +157,8 @@ class LoadPlanning:
             end = int(dpos[got])
             self.cpu.unpin(src[end:][cpu_ready[end:cut]])
             src, stop = src[:end], "room"
-        plan = LoadPlan(src, promote, spill, stop, pinned=src[cpu_ready[: len(src)]], exclusive=exclusive)
-        plan.fetch = fetch
-        plan.remote_spill = self.take_remote_spill()
-        return plan
+        return LoadPlan(src, promote, spill, stop, pinned=src[cpu_ready[: len(src)]], exclusive=exclusive,
+                        fetch=fetch, remote_spill=self.take_remote_spill())  # fmt: skip
 
     def _prepare_staged(self, rows, cpu_s, cpu_ready, d_s, run: int, stop: str, max_promote: int) -> LoadPlan:
         """An exclusive load: every block of the chunk goes through a staging row.
@@ -182,11 +180,9 @@ class LoadPlanning:
         self.disk_pin(d_s[:take][on_disk])
         promote = PromoteJob(rows[:take][on_disk], d_s[:take][on_disk], staged[on_disk], pos[on_disk]) \
             if on_disk.any() else None  # fmt: skip
-        plan = LoadPlan(staged, promote, None, "room" if take < run else stop, pinned=cpu_src, exclusive=True)
-        plan.fetch = PromoteJob(rows[:take][far], EMPTY, staged[far], pos[far]) if far.any() else None
-        plan.staged = staged
-        plan.restage = (cpu_src, staged[c])
-        return plan
+        fetch = PromoteJob(rows[:take][far], EMPTY, staged[far], pos[far]) if far.any() else None
+        return LoadPlan(staged, promote, None, "room" if take < run else stop, pinned=cpu_src, exclusive=True,
+                        fetch=fetch, staged=staged, restage=(cpu_src, staged[c]))  # fmt: skip
 
     def hold_run(self, keys: Sequence[bytes]) -> RunHold:
         """Pin the CPU and disk blocks of the keys' leading run for an exclusive load.

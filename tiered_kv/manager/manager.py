@@ -107,17 +107,16 @@ class TierManager(LoadPlanning):
             return []
         rows = key_rows(keys, self.key_bytes)
         where = np.full(len(keys), "", dtype=object)
-        cpu = self.cpu.find_ready(rows) >= 0
-        where[cpu] = "cpu"
-        local = self.cpu.keys.find(rows) >= 0  # READY, or in flight: lookup counts those as pending
+        cpu_s = self.cpu.keys.find(rows)
+        local = cpu_s >= 0  # READY, or in flight: lookup counts those as pending
+        where[local & (self.cpu.state[np.maximum(cpu_s, 0)] == READY)] = "cpu"
         if self.disk is not None:
-            rest = np.flatnonzero(~cpu)
-            where[rest[self.disk.find_ready(rows[rest]) >= 0]] = "disk"
             rest = np.flatnonzero(~local)
-            local[rest] = self.disk.keys.find(rows[rest]) >= 0
+            d_s = self.disk.keys.find(rows[rest])
+            where[rest[(d_s >= 0) & (self.disk.state[np.maximum(d_s, 0)] == READY)]] = "disk"
+            local[rest] = d_s >= 0
         if self.remote_known is not None:
-            if self.announced:  # an announced store is in flight for lookup too
-                local |= np.fromiter((k in self.announced for k in keys), dtype=bool, count=len(keys))
+            self.mark_announced(keys, local, np.zeros(len(keys), dtype=bool))  # in flight for lookup too
             far = np.flatnonzero(~local)
             where[far[self.remote_hits(rows[far])]] = "remote"
         return where.tolist()
@@ -267,7 +266,7 @@ class TierManager(LoadPlanning):
         """``keys`` are the live session's current chain; ``protect``: a follow-up is expected."""
         rows = key_rows(keys, self.key_bytes).copy() if len(keys) else np.zeros((0, self.key_bytes), np.uint8)
         self.sessions.register(session, rows, protect)
-        if protect:
+        if protect and self.cpu.protect is None:  # from now on evictions give protected blocks a second chance
             for tier in (self.cpu, self.disk):
                 if tier is not None:
                     tier.protect = self.sessions.protected

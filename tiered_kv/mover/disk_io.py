@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..config import DiskTierConfig
+from ..config_tiers import DiskTierConfig
 from ..errors import DiskError, KeyFormatError, LayoutError
 from ..manager import PromoteJob, SpillJob
 from ..metrics import CacheMetrics

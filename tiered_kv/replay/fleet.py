@@ -29,16 +29,16 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..cache import TieredKVCache
-from ..config import Config, RemoteTierConfig, load_config
+from ..config import Config, load_config
+from ..config_tiers import RemoteTierConfig
 from ..errors import ConfigError
-from ..layout import KVLayout
 from .engine import EngineEmulator, EngineStats
+from .instance import new_cache, new_emulator
 from .run import (
     BLOCK_TOKENS,
     ReplayResult,
     check_pacing,
     fresh_disks,
-    make_kv,
     replay_async,
     replay_result,
     run_async,
@@ -184,14 +184,9 @@ async def fleet_async(
     engines: list[EngineEmulator] = []
     async with AsyncExitStack() as stack:
         for cfg in cfgs:
-            kv = make_kv(cfg)
-            layout = KVLayout.from_tensors(kv, cfg.gpu.num_blocks)
-            cache = TieredKVCache(cfg, layout)
+            cache = new_cache(cfg)
             await stack.enter_async_context(cache)
-            engine = EngineEmulator(
-                cache, layout.regions, hints=cfg.replay.hints, drop_partial=cfg.replay.drop_partial,
-                block_tokens=block_tokens,
-            )  # fmt: skip
+            engine = new_emulator(cfg, cache, block_tokens)
             stack.callback(engine.close)  # runs before its cache closes (the stack unwinds last first)
             caches.append(cache)
             engines.append(engine)

@@ -25,18 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..cache import TieredKVCache
 from ..capacity import tier_slots
 from ..config import PLACEHOLDER_MODEL_ID, Config, load_config, read_config_data, validate_config
 from ..errors import ConfigError, LayoutError
-from ..host_checks import mem_available
 from ..layout import KVLayout
 from ..policy import POLICIES
-from ..sizes import format_size
 from . import simulate as sim
 from .engine import EngineEmulator, EngineStats, run_requests
+from .instance import new_cache, new_emulator
 from .sizing import TierSplit, longest_request, split_capacity
 from .trace import Request, read_trace
 from .workload import chat_workload
@@ -198,44 +195,6 @@ def with_disk_path(cfg: Config, path: str) -> Config:
     return load_config(data)
 
 
-def _device(cfg: Config) -> torch.device:
-    name = cfg.gpu.device
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"gpu.device: {name!r} needs CUDA, and torch.cuda.is_available() is False")
-    return dev
-
-
-def make_kv(cfg: Config) -> dict[str, torch.Tensor]:
-    """The emulated engine's KV tensors: one ``[num_blocks, region_bytes]`` uint8 tensor per region."""
-    dev = _device(cfg)
-    n = cfg.gpu.num_blocks
-    _check_kv_fits(cfg, dev)
-    return {
-        f"kv{i}": torch.zeros(n, b, dtype=torch.uint8, device=dev)
-        for i, b in enumerate(cfg.model.region_block_bytes())
-    }
-
-
-def _check_kv_fits(cfg: Config, dev: torch.device) -> None:
-    """The emulated GPU tensors (on a CPU device, beside the CPU tier) must fit in free memory."""
-    gpu_bytes = cfg.gpu.num_blocks * cfg.bytes_per_block
-    if dev.type == "cuda":
-        free, need, where = torch.cuda.mem_get_info(dev)[0], gpu_bytes, f"free on {dev}"
-    else:
-        cpu_tier = 0 if cfg.tiers.cpu.allow_overcommit else cfg.tiers.cpu.capacity
-        free, need = mem_available(), gpu_bytes + cpu_tier
-        where = f"of MemAvailable (with the CPU tier's {format_size(cpu_tier)} beside it)"
-    if free is not None and need > free:
-        raise ConfigError(
-            f"gpu.num_blocks: the replay's emulated KV cache of {cfg.gpu.num_blocks} blocks x {cfg.bytes_per_block} "
-            f"bytes ({format_size(gpu_bytes)}) needs {need} bytes, more than the {free} bytes ({format_size(free)}) "
-            f"{where}"
-        )
-
-
 # -- the replay ---------------------------------------------------------------------------
 async def replay_async(
     cfg: Config,
@@ -248,9 +207,7 @@ async def replay_async(
 ) -> ReplayResult:
     """Replay ``requests`` through a real cache; ``cfg.tiers.disk.path`` is used as given."""
     check_pacing(requests, cfg.replay.speed)
-    kv = make_kv(cfg)
-    layout = KVLayout.from_tensors(kv, cfg.gpu.num_blocks)
-    cache = TieredKVCache(cfg, layout)
+    cache = new_cache(cfg)
     server = None
     if metrics_port is not None:
         try:
@@ -263,13 +220,7 @@ async def replay_async(
     engine: EngineEmulator | None = None
     try:
         async with cache:
-            engine = EngineEmulator(
-                cache,
-                layout.regions,
-                hints=cfg.replay.hints,
-                drop_partial=cfg.replay.drop_partial,
-                block_tokens=block_tokens,
-            )
+            engine = new_emulator(cfg, cache, block_tokens)
             t0 = time.perf_counter()
             await run_requests(
                 engine, requests, concurrency=cfg.replay.concurrency, speed=cfg.replay.speed, on_done=on_done

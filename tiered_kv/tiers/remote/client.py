@@ -15,7 +15,7 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ...config import RemoteTierConfig
+from ...config_tiers import RemoteTierConfig
 from ...errors import ConfigError, RemoteError
 
 try:

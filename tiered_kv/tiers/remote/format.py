@@ -1,4 +1,6 @@
-"""The remote tier's value format and key names: self-describing, verified, no pickle.
+"""The remote tier's value format and key names: self-describing and verified.
+
+Values are parsed from their fixed header and checked; nothing is ever deserialized as an object.
 
 One Redis string per block: an 80-byte header, then the block's bytes.
 

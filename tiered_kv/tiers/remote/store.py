@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ...config import RemoteTierConfig
+from ...config_tiers import RemoteTierConfig
 from ...errors import KeyFormatError, RemoteError, SlotError, TieredKVError
 from ...metrics import CacheMetrics
 from ..cpu import CpuSlabs
