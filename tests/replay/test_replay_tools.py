@@ -150,7 +150,8 @@ async def test_policy_override_reaches_the_cache(tmp_path):
     seen = {}
 
     async def record(engine) -> None:
-        seen["policy"] = engine.cache.manager.cpu.policy.name
+        m = engine.cache.manager  # the last local tier runs the policy (window: LRU in the CPU above disk)
+        seen["policy"] = (m.disk or m.cpu).policy.name
 
     for policy in POLICIES:
         cfg = resolve_config(config(tmp_path, requests=5), policy=policy)

@@ -102,6 +102,23 @@ def test_dirty_victims_are_spilled_before_their_slots_are_reused():
     m.check_invariants()
 
 
+def test_the_window_policy_runs_in_the_last_local_tier_and_remembers_promoted_blocks():
+    """CPU above disk stays LRU (its order only decides what moves down); without disk the CPU runs the window.
+    A disk hit promoted to the CPU leaves a main ghost, so its next spill goes to main, not the window."""
+    assert TierManager(4, None, KB, "window").cpu.policy.name == "window"
+    m = TierManager(4, 16, KB, "window")
+    assert (m.cpu.policy.name, m.disk.policy.name) == ("lru", "window")
+    a, b = keys("a", 4), keys("b", 4)
+    store(m, a)
+    store(m, b)  # a spills to disk: first-time blocks there, in the window
+    assert m.disk.policy.list_sizes() == (4, 0) and m.lookup(a).disk == 4
+    assert load(m, a[:2]) == 2  # promoted: the disk copies go cold, remembered as re-referenced
+    assert m.disk.policy.ghost_sizes() == (0, 2)  # (the two b blocks they displaced spilled, to the window)
+    store(m, keys("c", 4))  # the CPU evicts a[:2] again: their cold disk copies come back, to main
+    assert m.disk.policy.list_sizes()[1] == 2 and m.disk.policy.ghost_sizes() == (0, 0)
+    m.check_invariants()
+
+
 def test_load_promotes_disk_hits_and_pins_until_complete():
     m = TierManager(4, 16, KB)
     a = keys("a", 4)

@@ -45,13 +45,13 @@ class SlotTags:
 
 
 def build(name: str, num_slots: int) -> EvictionPolicy:
-    """make_policy, but the window policy starts with a target of 0 instead of half the slots.
+    """make_policy, but the window policy's target starts (and may stay) at 0 instead of 10 % of the slots.
 
     It then orders slots as ARC does (window FIFO first, then main LRU), which
-    the recency contract tests below spell out; its default start is covered
+    the recency contract tests below spell out; its default target is covered
     in test_policy_window.py.
     """
-    return WindowPolicy(num_slots, start=0.0) if name == "window" else make_policy(name, num_slots)
+    return WindowPolicy(num_slots, start=0.0, low=0.0) if name == "window" else make_policy(name, num_slots)
 
 
 def filled(name: str, num_slots: int, count: int | None = None) -> EvictionPolicy:
@@ -458,6 +458,9 @@ class RefLRU:
         if s in self.lst:
             self.lst.remove(s)
 
+    def demote(self, s: int) -> None:
+        self.remove(s)
+
     def evict(self, n: int, pinned: frozenset[int]) -> list[int]:
         out = [s for s in self.lst if s not in pinned][:n]
         if n == 0 or len(out) < n:
@@ -506,6 +509,9 @@ class RefARC:
         if not keep_key:
             self.keys.pop(s, None)
 
+    def demote(self, s: int) -> None:
+        self.remove(s)
+
     def evict(self, n: int, pinned: frozenset[int]) -> list[int]:
         c1 = [s for s in self.t1 if s not in pinned]
         c2 = [s for s in self.t2 if s not in pinned]
@@ -545,21 +551,19 @@ class RefARC:
 
 
 class RefWindow(RefARC):
-    """The adaptive window as ARC's lists (t1 = window, t2 = main) with its own start, steps and ghost bounds.
+    """The adaptive window as ARC's lists (t1 = window, t2 = main) with its own target and ghost bounds.
 
-    The target starts at half the slots and moves once per insert batch, by
-    ARC's ratio of the ghost-list sizes at the batch's start, per ghost hit;
-    each ghost list keeps at most half the slots.
+    The target starts at a tenth of the slots and moves once per insert batch,
+    one slot per ghost hit (up for the window's ghosts, down for main's), within
+    [5 %, 20 %] of the slots; the window's ghosts keep at most 4x the slots,
+    main's 2x. ``demote`` forgets a slot and makes its key main's newest ghost.
     """
 
-    def __init__(self, c: int, start: float = 0.5) -> None:
+    def __init__(self, c: int, start: float = 0.1, low: float = 0.05, high: float = 0.2) -> None:
         super().__init__(c)
-        self.p = float(start * c)
+        self.p, self.low, self.high = float(start * c), float(low * c), float(high * c)
 
     def insert_batch(self, slots: list[int], keys: list[int]) -> None:
-        gw, gm = len(self.b1), len(self.b2)
-        grow = max(1.0, gm / gw) if gw else 1.0
-        shrink = max(1.0, gw / gm) if gm else 1.0
         hits = [0, 0]
         for s, k in zip(slots, keys, strict=True):
             for lid, ghosts in enumerate((self.b1, self.b2)):
@@ -571,15 +575,29 @@ class RefWindow(RefARC):
             else:
                 self.t1.append(s)
             self.keys[s] = k
-        self.p = min(float(self.c), max(0.0, self.p + grow * hits[0] - shrink * hits[1]))
+        self.p = min(self.high, max(self.low, self.p + hits[0] - hits[1]))
 
     def trim(self, into: list[int], other: list[int]) -> None:
-        for ghosts, bound in ((self.b1, self.c // 2), (self.b2, self.c - self.c // 2)):
+        for ghosts, bound in ((self.b1, 4 * self.c), (self.b2, 2 * self.c)):
             del ghosts[: max(0, len(ghosts) - bound)]
+
+    def demote(self, s: int) -> None:
+        if s not in self.t1 and s not in self.t2:
+            return
+        k = self.keys[s]
+        self.remove(s)
+        for g in (self.b1, self.b2):
+            if k in g:
+                g.remove(k)
+        self.b2.append(k)
+        self.trim(self.b2, self.b1)
 
 
 def reference(name: str, n: int) -> RefLRU | RefARC:
     return RefLRU() if name == "lru" else RefARC(n) if name == "arc" else RefWindow(n)
+
+
+WIDE = {"start": 0.5, "low": 0.0, "high": 1.0}  # a window target free to roam, so every move shows
 
 
 @pytest.mark.parametrize("name", POLICIES)
@@ -588,16 +606,18 @@ def test_a_long_random_run_matches_the_reference(name: str) -> None:
     n = 16
     rng = np.random.default_rng(11)
     tags = SlotTags(n)
-    pol = make_policy(name, n, key_tag=tags)
-    ref = reference(name, n)
+    pol = WindowPolicy(n, key_tag=tags, **WIDE) if name == "window" else make_policy(name, n, key_tag=tags)
+    ref = RefWindow(n, **WIDE) if name == "window" else reference(name, n)
     tracked: set[int] = set()
     at_bound, p_seen = 0, set()
+    bounds = (4 * n, 2 * n) if name == "window" else None  # the window's ghost lists: one bound each
+    universe = 12 * n if name == "window" else 40  # enough keys to reach the bounds, few enough for ghost hits
     for step in range(2500):
-        op = rng.integers(0, 10)
+        op = rng.integers(0, 11)
         if op < 4:  # insert a few free slots with keys from a small universe: ghost hits both ways
             free = [s for s in range(n) if s not in tracked]
             batch = rng.permutation(free)[: rng.integers(0, 5)].tolist()
-            keys = rng.integers(0, 40, len(batch)).tolist()
+            keys = rng.integers(0, universe, len(batch)).tolist()
             tags.insert(pol, batch, keys)
             ref.insert_batch(batch, keys)
             tracked |= set(batch)
@@ -612,17 +632,19 @@ def test_a_long_random_run_matches_the_reference(name: str) -> None:
             got = evict(pol, k, pinned)
             assert got == ref.evict(k, pinned), step
             tracked -= set(got)
-        else:
+        else:  # remove (drop) or demote (a hit moved up): the window remembers the latter
             batch = rng.integers(0, n, rng.integers(0, 3)).tolist()
-            pol.remove(np.array(batch, dtype=np.int64))
+            demote = op == 10
+            (pol.demote if demote else pol.remove)(np.array(batch, dtype=np.int64))
             for s in batch:
-                ref.remove(s)
+                (ref.demote if demote else ref.remove)(s)
             tracked -= set(batch)
         assert pol.order() == ref.order(), step
         if isinstance(pol, ARCPolicy):
             assert isinstance(ref, RefARC)
             assert pol.ghost_tags() == (ref.b1, ref.b2) and pol.p == ref.p, step
-            at_bound += sum(pol.ghost_sizes()) == n
+            sizes = pol.ghost_sizes()
+            at_bound += sizes[0] == bounds[0] or sizes[1] == bounds[1] if bounds else sum(sizes) == n
             p_seen.add(pol.p)
     if isinstance(pol, ARCPolicy):
         assert at_bound > 100 and len(p_seen) > 10  # the ghost bound was hit often, p adapted
@@ -666,11 +688,12 @@ class PolicyMachine(RuleBasedStateMachine):
         for s in batch:
             self.ref.touch(s)
 
-    @rule(batch=st.lists(slot_ids, max_size=4))
-    def remove(self, batch: list[int]) -> None:
-        self.pol.remove(np.array(batch, dtype=np.int64))
+    @rule(batch=st.lists(slot_ids, max_size=4), moved_up=st.booleans())
+    def remove(self, batch: list[int], moved_up: bool) -> None:
+        """Dropped, or (``moved_up``) demoted after a hit took the block to a faster tier."""
+        (self.pol.demote if moved_up else self.pol.remove)(np.array(batch, dtype=np.int64))
         for s in batch:
-            self.ref.remove(s)
+            (self.ref.demote if moved_up else self.ref.remove)(s)
             self.tracked.discard(s)
 
     @rule(n=st.integers(0, 5), pinned=st.frozensets(slot_ids, max_size=6))
@@ -693,7 +716,7 @@ class PolicyMachine(RuleBasedStateMachine):
         if isinstance(self.pol, ARCPolicy):
             assert isinstance(self.ref, RefARC)
             b1, b2 = self.pol.ghost_sizes()
-            assert b1 + b2 <= NSLOTS and 0 <= self.pol.p <= NSLOTS
+            assert b1 + b2 <= (6 if self.name == "window" else 1) * NSLOTS and 0 <= self.pol.p <= NSLOTS
             assert self.pol.ghost_tags() == (self.ref.b1, self.ref.b2)
             assert self.pol.list_sizes() == (len(self.ref.t1), len(self.ref.t2))
             assert self.pol.p == self.ref.p

@@ -221,7 +221,7 @@ class LoadPlanning:
         src, _ = plan.restage
         self.cpu.unpin(plan.pinned)
         plan.pinned = EMPTY
-        self.cpu.demote(src[::-1])
+        self.cpu.demote(src[::-1], loaded=True)
         plan.restage = None
 
     def disk_pin(self, slots: np.ndarray) -> None:
@@ -253,7 +253,7 @@ class LoadPlanning:
         self.disk.unpin(job.disk_slots)
         # The disk copy of a promoted block stays while it is clean and room is not short:
         # first to go when the disk needs room, touched again if the CPU evicts the block.
-        self.disk.demote(job.disk_slots[ok])
+        self.disk.demote(job.disk_slots[ok], loaded=True)
         n = self._commit_promoted(plan, job, ok)
         if ok.all() or not corrupt:
             return n
@@ -284,7 +284,7 @@ class LoadPlanning:
             plan.staged = EMPTY
             return  # its CPU hits were demoted when they were restaged
         if plan.exclusive:
-            self.cpu.demote(src)
+            self.cpu.demote(src, loaded=True)
         else:
             self.cpu.touch(src)
 

@@ -50,7 +50,10 @@ class TierManager(LoadPlanning):
         on_event: Callable[[str, str, int], None] | None = None,
     ) -> None:
         self.key_bytes = key_bytes
-        self.cpu = TierIndex("cpu", cpu_slots, key_bytes, policy)
+        # CPU and disk are exclusive: the CPU's order only decides what moves down, the last
+        # tier's what leaves. The window policy belongs there (policy/window.py); LRU above it.
+        last_only = isinstance(policy, str) and policy.lower() == "window" and bool(disk_slots)
+        self.cpu = TierIndex("cpu", cpu_slots, key_bytes, "lru" if last_only else policy)
         self.disk = TierIndex("disk", disk_slots, key_bytes, policy) if disk_slots else None
         self.disk_writable = self.disk is not None  # the facade clears it when the disk tier degrades
         self.write_through = write_through

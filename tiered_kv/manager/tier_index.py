@@ -186,13 +186,17 @@ class TierIndex:
             victims = np.concatenate([victims[~keep], more])
         return victims
 
-    def demote(self, slots: np.ndarray) -> None:
-        """Make READY slots the first eviction candidates (oldest first in array order)."""
+    def demote(self, slots: np.ndarray, *, loaded: bool = False) -> None:
+        """Make READY slots the first eviction candidates (oldest first in array order).
+
+        ``loaded``: the blocks were hits that moved up to a faster tier; a policy with
+        a ``demote`` hook (the window's) remembers them as re-referenced.
+        """
         slots = slots[self.state[slots] == READY] if len(slots) else slots
         if not len(slots):
             return
         slots = slots[self.cold.stamp_of(slots) < 0]
-        self.policy.remove(slots)
+        (self.policy.demote if loaded else self.policy.remove)(slots)
         self.cold.insert(slots)
 
     # -- pins --------------------------------------------------------------------------

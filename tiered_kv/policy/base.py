@@ -51,6 +51,12 @@ class EvictionPolicy(ABC):
     def remove(self, slots: np.ndarray) -> None:
         """Forget slots dropped without eviction (deleted, corrupt); untracked slots are ignored."""
 
+    def demote(self, slots: np.ndarray) -> None:
+        """Forget slots whose blocks moved up to a faster tier on a hit (the tier keeps them on its
+        cold list). A policy with a history (the window's ghosts) may remember them; by default
+        this is ``remove``."""
+        self.remove(slots)
+
     @abstractmethod
     def evict(self, n: int, pins: np.ndarray) -> np.ndarray:
         """Remove and return exactly ``n`` tracked slots with ``pins[slot] == 0``, in eviction order.
