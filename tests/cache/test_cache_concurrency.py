@@ -16,11 +16,13 @@ def slab_holds(cache, slot: int, key: bytes) -> bool:
     )
 
 
-@pytest.mark.parametrize("with_disk", [False, True], ids=["cpu-only", "cpu+disk"])
-async def test_random_cancellation_during_1000_concurrent_operations(tmp_path, with_disk, device):
+@pytest.mark.parametrize(
+    ("with_disk", "policy"), [(False, "lru"), (True, "lru"), (True, "window")], ids=["cpu-only", "cpu+disk", "window"]
+)
+async def test_random_cancellation_during_1000_concurrent_operations(tmp_path, with_disk, policy, device):
     rng = random.Random(1234)
     kv = make_kv(64, device)
-    cfg = config(tmp_path, cpu_blocks=12, disk_blocks=24 if with_disk else 0, inflight=8 * 1024)
+    cfg = config(tmp_path, cpu_blocks=12, disk_blocks=24 if with_disk else 0, policy=policy, inflight=8 * 1024)
     async with cache_for(kv, cfg) as cache:
         keys = cache.keyer.keys_for_block_ids(range(32))
         for i, key in enumerate(keys):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tiered_kv.manager import READY, RESERVED, LookupResult, TierManager
+from tiered_kv.policy import POLICIES
 
 KB = 32
 
@@ -194,10 +195,11 @@ def test_nothing_evictable_leaves_keys_unplaced():
     m.check_invariants()
 
 
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("seed", range(3))
-def test_random_operations_keep_the_invariants(seed):
+def test_random_operations_keep_the_invariants(seed, policy):
     rng = np.random.default_rng(seed)
-    m = TierManager(16, 32, KB, write_through=bool(seed % 2))
+    m = TierManager(16, 32, KB, policy, write_through=bool(seed % 2))
     pool = keys("p", 80)
     open_loads = []
     for _ in range(400):
