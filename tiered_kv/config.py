@@ -23,7 +23,7 @@ from pydantic import (
 
 from .config_tiers import ByteSize, Section, TiersConfig
 from .errors import ConfigError
-from .host_checks import SLOT_OVERHEAD_BYTES, disk_room, mem_available
+from .host_checks import SLOT_OVERHEAD_BYTES, WINDOW_GHOST_BYTES, disk_room, mem_available
 from .sizes import MAX_SIZE, format_size, parse_size
 
 # Element sizes of the KV dtypes we plan for; the names are torch's.
@@ -329,14 +329,21 @@ def check_host_resources(cfg: Config, bytes_per_block: int) -> None:
     free space of the path plus what its namespaces already hold.
     """
     cpu, disk = cfg.tiers.cpu, cfg.tiers.disk
-    slots = cpu.capacity // bytes_per_block + (disk.capacity // bytes_per_block if disk.enabled else 0)
+    cpu_slots, disk_slots = cpu.capacity // bytes_per_block, disk.capacity // bytes_per_block if disk.enabled else 0
+    slots = cpu_slots + disk_slots
+    index = slots * SLOT_OVERHEAD_BYTES
+    ghosts = ""
+    if cfg.eviction.policy == "window":  # its ghosts live in the last local tier's index
+        extra = (disk_slots or cpu_slots) * WINDOW_GHOST_BYTES
+        index += extra
+        ghosts = f", {format_size(extra)} of it the ghosts of eviction.policy 'window'"
     available = mem_available()
     if not cpu.allow_overcommit and available is not None:
-        need = cpu.capacity + slots * SLOT_OVERHEAD_BYTES
+        need = cpu.capacity + index
         if need > available:
             raise ConfigError(
                 f"tiers.cpu.capacity: {format_size(cpu.capacity)} plus the index of {slots} slots "
-                f"({format_size(slots * SLOT_OVERHEAD_BYTES)}) needs {need} bytes, more than the "
+                f"({format_size(index)}{ghosts}) needs {need} bytes, more than the "
                 f"{available} bytes ({format_size(available)}) of MemAvailable; lower it or set "
                 f"tiers.cpu.allow_overcommit: true"
             )

@@ -259,6 +259,19 @@ def test_cpu_tier_beyond_memory_needs_allow_overcommit():
     assert tkv.load_config(data).tiers.cpu.capacity == 2**50
 
 
+def test_the_window_policy_s_ghosts_count_against_memory(tmp_path, monkeypatch):
+    """The window's ghosts (~240 bytes per slot of the tier that runs it, the disk here) are part of the index."""
+    disk = {"enabled": True, "path": str(tmp_path / "cache"), "capacity": "1GiB"}
+    data = {"model": {"model_id": "m", "bytes_per_block": "16KiB"}, "tiers": {"cpu": {"capacity": "16MiB"}, "disk": disk}}
+    index = (1024 + 65536) * 256
+    monkeypatch.setattr(tkv.config, "mem_available", lambda: 16 * 2**20 + index + 65536 * 100)
+    assert tkv.load_config(data).eviction.policy == "lru"
+    data["eviction"] = {"policy": "window"}
+    with pytest.raises(tkv.ConfigError, match=r"tiers\.cpu\.capacity: .* ghosts of eviction\.policy 'window'") as info:
+        tkv.load_config(data)
+    assert str(16 * 2**20 + index + 65536 * 240) in str(info.value)
+
+
 def test_disk_tier_beyond_free_space_needs_allow_overcommit(tmp_path):
     disk = {"enabled": True, "path": str(tmp_path / "cache"), "capacity": "1024TiB"}
     data = {"model": {"model_id": "m", **MIB64}, "tiers": {"cpu": {"allow_overcommit": True}, "disk": disk}}
