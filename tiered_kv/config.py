@@ -23,7 +23,8 @@ from pydantic import (
 
 from .config_tiers import ByteSize, Section, TiersConfig
 from .errors import ConfigError
-from .host_checks import SLOT_OVERHEAD_BYTES, WINDOW_GHOST_BYTES, disk_room, mem_available
+from .host_checks import SLOT_OVERHEAD_BYTES, disk_room, mem_available
+from .policy.window import GHOST_BYTES_PER_SLOT
 from .sizes import MAX_SIZE, format_size, parse_size
 
 # Element sizes of the KV dtypes we plan for; the names are torch's.
@@ -334,7 +335,7 @@ def check_host_resources(cfg: Config, bytes_per_block: int) -> None:
     index = slots * SLOT_OVERHEAD_BYTES
     ghosts = ""
     if cfg.eviction.policy == "window":  # its ghosts live in the last local tier's index
-        extra = (disk_slots or cpu_slots) * WINDOW_GHOST_BYTES
+        extra = (disk_slots or cpu_slots) * GHOST_BYTES_PER_SLOT
         index += extra
         ghosts = f", {format_size(extra)} of it the ghosts of eviction.policy 'window'"
     available = mem_available()

@@ -13,8 +13,6 @@ from pathlib import Path
 
 # Bookkeeping RAM per slot of any tier once full: index arrays, policy links, the key and its dict entry.
 SLOT_OVERHEAD_BYTES = 256
-# More per slot of the tier that runs the window policy: up to 6 ghosts of ~36 bytes (policy/window.py).
-WINDOW_GHOST_BYTES = 240
 NAME_MAX, PATH_MAX = 255, 4096
 
 

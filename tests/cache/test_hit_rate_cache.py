@@ -4,6 +4,7 @@ session release, and waiting for blocks in flight."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 from cache_helpers import cache_for, config, fill, holds, make_kv
@@ -20,12 +21,19 @@ async def stored(cache, kv, keys, first_id: int, **kw):
     return await cache.store(keys, ids, **kw)
 
 
-async def test_a_store_of_resident_keys_only_still_touches_them(device):
+@contextlib.asynccontextmanager
+async def a_then_b(device):
+    """A 4-slot CPU tier holding two pairs of blocks, ``a`` stored before ``b``."""
     kv = make_kv(64, device)
     async with cache_for(kv, config(cpu_blocks=4)) as cache:
         a, b = cache.keyer.keys_for_block_ids(range(2)), cache.keyer.keys_for_block_ids(range(10, 12))
         await stored(cache, kv, a, 0)
         await stored(cache, kv, b, 2)
+        yield cache, kv, a, b
+
+
+async def test_a_store_of_resident_keys_only_still_touches_them(device):
+    async with a_then_b(device) as (cache, kv, a, b):
         res = await stored(cache, kv, a, 0)  # nothing to copy: a is touched, most recent again
         assert (res.stored, res.deduped) == (0, 2)
         await stored(cache, kv, cache.keyer.keys_for_block_ids(range(20, 22)), 4)  # evicts the oldest: b
@@ -33,11 +41,7 @@ async def test_a_store_of_resident_keys_only_still_touches_them(device):
 
 
 async def test_an_exclusive_load_leaves_the_cached_copy_first_to_go_and_a_store_back_revives_it(device):
-    kv = make_kv(64, device)
-    async with cache_for(kv, config(cpu_blocks=4)) as cache:
-        a, b = cache.keyer.keys_for_block_ids(range(2)), cache.keyer.keys_for_block_ids(range(10, 12))
-        await stored(cache, kv, a, 0)
-        await stored(cache, kv, b, 2)
+    async with a_then_b(device) as (cache, kv, a, b):
         assert await cache.load(b, [30, 31], exclusive=True) == 2
         assert holds(kv, 30, b[0]) and holds(kv, 31, b[1])
         await stored(cache, kv, cache.keyer.keys_for_block_ids(range(20, 22)), 4)

@@ -47,15 +47,6 @@ async def wait_recovered(store, limit: float = 15.0) -> float:
     return time.monotonic() - t0
 
 
-@pytest.fixture
-def server(tmp_path):
-    if REDIS is None:
-        pytest.skip(NO_REDIS)
-    s = RedisServer(tmp_path / "redis").start()
-    yield s
-    s.kill()
-
-
 async def round_trip_ok(store, slabs, keys) -> None:
     fill_big(slabs, keys)
     assert (await store.put(keys, np.arange(len(keys)))).all()
@@ -66,15 +57,15 @@ async def round_trip_ok(store, slabs, keys) -> None:
 
 
 @pytest.mark.slow
-async def test_sigkill_mid_put_then_restart(server, big_slabs, caplog):
+async def test_sigkill_mid_put_then_restart(redis_server, big_slabs, caplog):
     m = metrics()
-    store = await RemoteStore.open(remote_cfg(server.url), "ns-f", big_slabs, m)
+    store = await RemoteStore.open(remote_cfg(redis_server.url), "ns-f", big_slabs, m)
     try:
         keys = key_rows("kill-put", N)
         fill_big(big_slabs, keys)
         task = asyncio.create_task(store.put(keys, np.arange(N)))
         await asyncio.sleep(0)  # the batch is on the socket
-        server.kill()
+        redis_server.kill()
         ok = await task  # no exception
         assert not ok.all() and store.degraded
         assert m.snapshot()["tiered_kv_degraded_events_total{remote}"] == 1
@@ -83,7 +74,7 @@ async def test_sigkill_mid_put_then_restart(server, big_slabs, caplog):
         assert not (await store.get(keys, np.arange(N, 2 * N))).any()
         assert not (await store.exists(keys)).any()
         assert time.monotonic() - t0 < 0.1
-        server.start()  # same port, empty (no persistence)
+        redis_server.start()  # same port, empty (no persistence)
         await wait_recovered(store)
         assert not (await store.get(keys[:4], np.arange(N, N + 4))).any()  # the restart lost them: misses
         await round_trip_ok(store, big_slabs, keys[:16])
@@ -93,9 +84,9 @@ async def test_sigkill_mid_put_then_restart(server, big_slabs, caplog):
 
 
 @pytest.mark.slow
-async def test_sigkill_mid_get_never_lands_wrong_bytes(server, big_slabs):
+async def test_sigkill_mid_get_never_lands_wrong_bytes(redis_server, big_slabs):
     m = metrics()
-    store = await RemoteStore.open(remote_cfg(server.url), "ns-f", big_slabs, m)
+    store = await RemoteStore.open(remote_cfg(redis_server.url), "ns-f", big_slabs, m)
     try:
         keys = key_rows("kill-get", N)
         fill_big(big_slabs, keys)
@@ -105,11 +96,11 @@ async def test_sigkill_mid_get_never_lands_wrong_bytes(server, big_slabs):
         t0 = time.monotonic()
         while not big_slabs.slab_np[N].any() and not task.done() and time.monotonic() - t0 < 5:
             await asyncio.sleep(0)  # until the first replies have landed
-        server.kill()
+        redis_server.kill()
         ok = await task
         assert not ok.all() and store.degraded
         assert_no_wrong_bytes(big_slabs, keys, ok, N)
-        server.start()
+        redis_server.start()
         await wait_recovered(store)
         await round_trip_ok(store, big_slabs, keys[:16])
     finally:
@@ -117,15 +108,15 @@ async def test_sigkill_mid_get_never_lands_wrong_bytes(server, big_slabs):
 
 
 @pytest.mark.slow
-async def test_sigstop_past_the_timeout_then_sigcont(server, big_slabs):
+async def test_sigstop_past_the_timeout_then_sigcont(redis_server, big_slabs):
     m = metrics()
     timeout = 0.3
-    store = await RemoteStore.open(remote_cfg(server.url, timeout=timeout), "ns-f", big_slabs, m)
+    store = await RemoteStore.open(remote_cfg(redis_server.url, timeout=timeout), "ns-f", big_slabs, m)
     try:
         keys = key_rows("stop", 8)
         fill_big(big_slabs, keys)
         assert (await store.put(keys, np.arange(8))).all()
-        server.pause()
+        redis_server.pause()
         try:
             t0 = time.monotonic()
             ok = await store.get(keys, np.arange(N, N + 8))
@@ -139,7 +130,7 @@ async def test_sigstop_past_the_timeout_then_sigcont(server, big_slabs):
             await asyncio.sleep(3 * timeout)  # reconnect probes time out against the paused server
             assert store.degraded
         finally:
-            server.resume()
+            redis_server.resume()
         await wait_recovered(store)
         big_slabs.slab_np[N : N + 8] = 0
         ok = await store.get(keys, np.arange(N, N + 8))

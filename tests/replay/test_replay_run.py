@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from replay_helpers import BLOCK, small_config, write_config
 
 import tiered_kv as tkv
 from tiered_kv.cli import main
@@ -22,31 +22,6 @@ from tiered_kv.replay.trace import Request
 from tiered_kv.tiers.disk.format import DATA_FILE, HEADER_SIZE
 
 TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
-BLOCK = 4096
-
-
-def small_config(
-    tmp_path: Path, *, requests: int = 150, gpu: int = 96, cpu: int = 128, disk: int = 512
-) -> dict:
-    """A replay small enough for CI in which the GPU, CPU and disk tiers each serve hits."""
-    return {
-        "model": {"model_id": "replay-test", "bytes_per_block": BLOCK},
-        "gpu": {"num_blocks": gpu, "device": "cpu"},
-        "tiers": {
-            "cpu": {"capacity": cpu * BLOCK, "pin_memory": "off"},
-            "disk": {"enabled": True, "path": str(tmp_path / "disk"), "capacity": disk * BLOCK},
-        },
-        "transfer": {"engine": "host"},
-        "replay": {"num_requests": requests, "concurrency": 4, "seed": 1},
-    }
-
-
-def write_config(tmp_path: Path, cfg: dict) -> str:
-    path = tmp_path / "replay.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return str(path)
-
-
 def run_cli(capsys, argv: list[str]) -> tuple[int, dict]:
     rc = main(argv)
     return rc, json.loads(capsys.readouterr().out)

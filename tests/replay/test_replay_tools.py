@@ -7,7 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
-import yaml
+from replay_helpers import BLOCK, small_config, write_config
 
 import tiered_kv as tkv
 from tiered_kv.cli import main
@@ -28,28 +28,13 @@ from tiered_kv.replay.sizing import longest_request, split_capacity
 from tiered_kv.replay.trace import Request
 from tiered_kv.replay.workload import chat_workload
 
-BLOCK = 4096
 YARDSTICKS = ["lru", "lru_drop_partial", *(f"{p}_drop_partial" for p in POLICIES if p != "lru"), "belady",
               "belady_drop_partial", "unbounded"]  # fmt: skip
 
 
-def config(tmp_path: Path, *, requests: int = 120, gpu: int = 96, cpu: int = 128, disk: int = 512) -> dict:
-    return {
-        "model": {"model_id": "replay-tools-test", "bytes_per_block": BLOCK},
-        "gpu": {"num_blocks": gpu, "device": "cpu"},
-        "tiers": {
-            "cpu": {"capacity": cpu * BLOCK, "pin_memory": "off"},
-            "disk": {"enabled": False, "path": str(tmp_path / "disk"), "capacity": disk * BLOCK},
-        },
-        "transfer": {"engine": "host"},
-        "replay": {"num_requests": requests, "concurrency": 2, "seed": 1},
-    }
-
-
-def write(tmp_path: Path, data: dict) -> str:
-    path = tmp_path / "replay.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return str(path)
+def config(tmp_path: Path, *, requests: int = 120, **sizes: int) -> dict:
+    """small_config with the disk tier off and two requests in flight: the tools turn tiers on themselves."""
+    return small_config(tmp_path, requests=requests, disk_enabled=False, concurrency=2, **sizes)
 
 
 def tiny_trace(path: Path, n: int = 240, seed: int = 4) -> Path:
@@ -117,7 +102,7 @@ def test_capacity_share_still_checks_memory_and_disk_space(tmp_path):
 
 
 def test_cli_capacity_share_reports_the_split(tmp_path, capsys):
-    rep = cli_json(capsys, ["replay", "--config", write(tmp_path, config(tmp_path)), "--capacity-share", "0.25"])
+    rep = cli_json(capsys, ["replay", "--config", write_config(tmp_path, config(tmp_path)), "--capacity-share", "0.25"])
     share = rep["capacity_share"]
     cap = rep["capacity"]
     assert share["share"] == 0.25 and share["unique"] == rep["unique_blocks"]
@@ -137,7 +122,7 @@ def test_cli_capacity_share_reports_the_split(tmp_path, capsys):
     ],
 )
 def test_cli_bad_capacity_share_is_one_line(tmp_path, capsys, share, message):
-    argv = ["replay", "--config", write(tmp_path, config(tmp_path)), "--capacity-share", share, "--no-progress"]
+    argv = ["replay", "--config", write_config(tmp_path, config(tmp_path)), "--capacity-share", share, "--no-progress"]
     assert main(argv) == 2
     err = one_error_line(capsys)
     assert message in err, err
@@ -160,20 +145,20 @@ async def test_policy_override_reaches_the_cache(tmp_path):
 
 
 def test_unknown_policy_names_the_setting_and_the_choices(tmp_path, capsys):
-    assert main(["replay", "--config", write(tmp_path, config(tmp_path)), "--policy", "mru", "--no-progress"]) == 2
+    assert main(["replay", "--config", write_config(tmp_path, config(tmp_path)), "--policy", "mru", "--no-progress"]) == 2
     err = one_error_line(capsys)
     assert "eviction.policy" in err and all(repr(p) in err for p in POLICIES), err
 
 
 def test_cli_flags_land_in_the_config_and_the_report(tmp_path, capsys):
-    path = write(tmp_path, config(tmp_path, requests=20))
+    path = write_config(tmp_path, config(tmp_path, requests=20))
     rep = cli_json(capsys, ["replay", "--config", path])
     assert (rep["policy"], rep["hints"], rep["drop_partial"], rep["block_tokens"]) == ("lru", False, True, 512)
     rep = cli_json(capsys, ["replay", "--config", path, "--policy", "arc", "--hints", "--keep-partial"])
     assert (rep["policy"], rep["hints"], rep["drop_partial"]) == ("arc", True, False)
     data = config(tmp_path, requests=20)
     data["replay"]["hints"] = True
-    rep = cli_json(capsys, ["replay", "--config", write(tmp_path, data), "--no-hints"])
+    rep = cli_json(capsys, ["replay", "--config", write_config(tmp_path, data), "--no-hints"])
     assert rep["hints"] is False
     cfg = resolve_config(data, hints=False, drop_partial=False)
     assert (cfg.replay.hints, cfg.replay.drop_partial) == (False, False)
@@ -187,7 +172,7 @@ def test_partial_last_blocks_are_dropped_unless_kept(tmp_path, capsys):
         json.dumps({"timestamp": i, "input_length": 512 + 100, "output_length": 1, "hash_ids": [i // 2 * 2, i // 2 * 2 + 1]})
         + "\n" for i in range(20)
     ))  # fmt: skip
-    argv = ["replay", "--config", write(tmp_path, config(tmp_path)), "--trace", str(trace), "--concurrency", "1"]
+    argv = ["replay", "--config", write_config(tmp_path, config(tmp_path)), "--trace", str(trace), "--concurrency", "1"]
     dropped = cli_json(capsys, argv)
     assert dropped["hit_blocks"]["gpu"] == 10 and dropped["store"]["partial_dropped"] == 20
     kept = cli_json(capsys, [*argv, "--keep-partial"])
@@ -196,7 +181,7 @@ def test_partial_last_blocks_are_dropped_unless_kept(tmp_path, capsys):
 
 # -- the report's yardsticks and block tokens --------------------------------------------------------
 def test_report_stands_the_replay_beside_every_yardstick_at_its_total(tmp_path, capsys):
-    path = write(tmp_path, config(tmp_path, requests=60))
+    path = write_config(tmp_path, config(tmp_path, requests=60))
     rep = cli_json(capsys, ["replay", "--config", path])
     total = rep["capacity"]["total_blocks"]
     assert list(rep["simulated"]) == YARDSTICKS
@@ -257,7 +242,7 @@ def test_sweep_replays_every_policy_at_each_feasible_share(tmp_path):
 def test_cli_plot_writes_a_png_and_lists_the_points(tmp_path, capsys):
     trace = tiny_trace(tmp_path / "t.jsonl", n=200)
     png = tmp_path / "plot.png"
-    rep = cli_json(capsys, ["replay", "--config", write(tmp_path, config(tmp_path)), "--trace", str(trace),
+    rep = cli_json(capsys, ["replay", "--config", write_config(tmp_path, config(tmp_path)), "--trace", str(trace),
                             "--plot", str(png)])  # fmt: skip
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     plot = rep["plot"]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .plans import LoadPlan, PromoteJob
+from .plans import LoadPlan, Located, PromoteJob
 from .tier_index import EMPTY, READY, RESERVED
 
 
@@ -90,30 +90,37 @@ class LoadPlanning:
         known = self.remote_known
         return known(rows) if known is not None and len(rows) else np.zeros(len(rows), dtype=bool)
 
+    def locate(self, rows: np.ndarray) -> Located:
+        """Each key's CPU slot and state; for a key with no CPU entry (in any state: one in flight
+        into the CPU tier is waited for, even if it is elsewhere too), its disk slot and state."""
+        n = len(rows)
+        cpu_s = self.cpu.keys.find(rows)
+        cpu_st = self.cpu.state[np.maximum(cpu_s, 0)]
+        pending = (cpu_s >= 0) & (cpu_st == RESERVED)
+        d_s = np.full(n, -1, dtype=np.int64)
+        disk_ready = np.zeros(n, dtype=bool)
+        rest = np.flatnonzero(cpu_s < 0)
+        if self.disk is not None and len(rest):
+            found = self.disk.keys.find(rows[rest])
+            d_st = self.disk.state[np.maximum(found, 0)]
+            d_s[rest] = found
+            disk_ready[rest] = (found >= 0) & (d_st == READY)
+            pending[rest] = (found >= 0) & (d_st == RESERVED)  # being spilled: on its way to disk
+        return Located(cpu_s, (cpu_s >= 0) & (cpu_st == READY), d_s, disk_ready, pending)
+
     def prepare_load(self, keys: Sequence[bytes], max_promote: int, *, exclusive: bool = False) -> LoadPlan:
         """Pin the leading run's CPU hits; reserve CPU slots for up to ``max_promote`` disk or remote hits."""
         n = first_repeat(keys)
         if n == 0:
             return LoadPlan(stop="miss" if len(keys) else "")
         rows = key_rows(keys[:n], self.key_bytes)
-        cpu_s = self.cpu.keys.find(rows)
-        cpu_st = self.cpu.state[np.maximum(cpu_s, 0)]
-        cpu_ready = (cpu_s >= 0) & (cpu_st == READY)
-        pending = (cpu_s >= 0) & (cpu_st == RESERVED)
-        hit = cpu_ready.copy()
-        d_s = np.full(n, -1, dtype=np.int64)
-        rest = np.flatnonzero(cpu_s < 0)  # a key in flight into the CPU tier waits for that, even if elsewhere
-        if self.disk is not None and len(rest):
-            found = self.disk.keys.find(rows[rest])
-            d_st = self.disk.state[np.maximum(found, 0)]
-            d_ready = (found >= 0) & (d_st == READY)
-            d_s[rest] = np.where(d_ready, found, -1)
-            hit[rest] = d_ready
-            pending[rest] |= (found >= 0) & (d_st == RESERVED)
+        cpu_s, cpu_ready, d_s, disk_ready, pending = self.locate(rows)
+        d_s = np.where(disk_ready, d_s, -1)
+        hit = cpu_ready | disk_ready
         self.mark_announced(keys, hit, pending)
         hit &= ~pending  # announced keys are not loadable yet: the run stops there, in flight
         remote = np.zeros(n, dtype=bool)
-        far = rest[~hit[rest] & ~pending[rest]]
+        far = np.flatnonzero((cpu_s < 0) & ~hit & ~pending)
         if len(far):
             remote[far] = self.remote_hits(rows[far])
             hit |= remote

@@ -7,9 +7,10 @@ a plan of slots (plus the spill its evictions imply) -> ``complete_store(ok)``;
 It never touches bytes and never awaits, so it is testable without an event
 loop; the async mover executes its plans.
 
-Placement: CPU and disk are inclusive for promoted blocks (a promoted block's
-disk copy stays until the disk evicts it) and write-back on eviction: a dirty
-CPU victim is written to disk before its slot's new owner is copied in.
+Placement: CPU and disk act as one exclusive LRU, written back on eviction: a
+dirty CPU victim is written to disk before its slot's new owner is copied in, a
+clean one is dropped, and a promoted block's disk copy stays only as the disk's
+first eviction candidate (see tier_index.py, the cold list).
 Requests' keys are inserted and touched last block first, so a prefix's head is
 always the most recent and its tail is evicted first.
 """
@@ -24,7 +25,7 @@ import numpy as np
 from .loading import LoadPlanning, Staging, key_rows, repeats
 from .plans import LookupResult, SpillJob, StorePlan
 from .sessions import Sessions
-from .tier_index import EMPTY, READY, RESERVED, TierIndex
+from .tier_index import EMPTY, READY, TierIndex
 
 EVENT_KINDS = ("stored", "evicted", "spilled", "dropped")
 
@@ -75,19 +76,9 @@ class TierManager(LoadPlanning):
         if n == 0:
             return LookupResult()
         rows = key_rows(keys, self.key_bytes)
-        cpu_s = self.cpu.keys.find(rows)
-        cpu_st = self.cpu.state[np.maximum(cpu_s, 0)]
-        cpu_ready = (cpu_s >= 0) & (cpu_st == READY)
+        _, cpu_ready, _, disk_ready, pending = self.locate(rows)
         if cpu_ready.all():
             return LookupResult(n, n, 0, 0)
-        pending = (cpu_s >= 0) & (cpu_st == RESERVED)
-        disk_ready = np.zeros(n, dtype=bool)
-        if self.disk is not None:
-            rest = np.flatnonzero(cpu_s < 0)
-            d_s = self.disk.keys.find(rows[rest])
-            d_st = self.disk.state[np.maximum(d_s, 0)]
-            disk_ready[rest] = (d_s >= 0) & (d_st == READY)
-            pending[rest] = (d_s >= 0) & (d_st == RESERVED)  # being spilled
         hit = cpu_ready | disk_ready | pending
         self.mark_announced(keys, hit, pending)
         remote = np.zeros(n, dtype=bool)
@@ -109,15 +100,11 @@ class TierManager(LoadPlanning):
         if not len(keys):
             return []
         rows = key_rows(keys, self.key_bytes)
+        at = self.locate(rows)
         where = np.full(len(keys), "", dtype=object)
-        cpu_s = self.cpu.keys.find(rows)
-        local = cpu_s >= 0  # READY, or in flight: lookup counts those as pending
-        where[local & (self.cpu.state[np.maximum(cpu_s, 0)] == READY)] = "cpu"
-        if self.disk is not None:
-            rest = np.flatnonzero(~local)
-            d_s = self.disk.keys.find(rows[rest])
-            where[rest[(d_s >= 0) & (self.disk.state[np.maximum(d_s, 0)] == READY)]] = "disk"
-            local[rest] = d_s >= 0
+        where[at.cpu_ready] = "cpu"
+        where[at.disk_ready] = "disk"
+        local = (at.cpu >= 0) | (at.disk >= 0)  # READY, or in flight: lookup counts those as pending
         if self.remote_known is not None:
             self.mark_announced(keys, local, np.zeros(len(keys), dtype=bool))  # in flight for lookup too
             far = np.flatnonzero(~local)
@@ -134,18 +121,8 @@ class TierManager(LoadPlanning):
         """
         n = len(keys)
         rows = key_rows(keys, self.key_bytes)
-        cpu_s = self.cpu.keys.find(rows)
-        cpu_st = self.cpu.state[np.maximum(cpu_s, 0)]
-        resident = (cpu_s >= 0) & (cpu_st == READY)
-        in_flight = (cpu_s >= 0) & (cpu_st == RESERVED)
-        d_s = None
-        if self.disk is not None:
-            rest = np.flatnonzero(cpu_s < 0)
-            d_s = np.full(n, -1, dtype=np.int64)
-            d_s[rest] = self.disk.keys.find(rows[rest])
-            d_st = self.disk.state[np.maximum(d_s[rest], 0)]
-            resident[rest] = (d_s[rest] >= 0) & (d_st == READY)
-            in_flight[rest] = (d_s[rest] >= 0) & (d_st == RESERVED)  # being spilled: on its way to disk
+        cpu_s, cpu_ready, d_s, disk_ready, in_flight = self.locate(rows)
+        resident = cpu_ready | disk_ready
         repeated = repeats(keys)
         if repeated is None:
             repeated = np.zeros(n, dtype=bool)
@@ -154,7 +131,7 @@ class TierManager(LoadPlanning):
         spill = None
         short = len(new_idx) - len(slots)
         if short:
-            held_cpu, held_disk = self._hold_chain(rows, cpu_s, d_s, resident, prefix)
+            held_cpu, held_disk = self._hold_chain(cpu_s, d_s, resident, prefix)
             try:
                 # Sorted, so the new keys get runs of consecutive slots (one copy per run).
                 victims, spill = self._evict_cpu(short)
@@ -178,10 +155,10 @@ class TierManager(LoadPlanning):
             remote_spill=self.take_remote_spill(),
         )
 
-    def _hold_chain(self, rows, cpu_s, d_s, resident, prefix) -> tuple[np.ndarray, np.ndarray]:
+    def _hold_chain(self, cpu_s, d_s, resident, prefix) -> tuple[np.ndarray, np.ndarray]:
         """Pin the resident blocks of the call's chain (prefix + its own resident keys) for one eviction."""
         cpu_held = cpu_s[resident & (cpu_s >= 0)]
-        disk_held = d_s[resident & (d_s >= 0)] if d_s is not None else EMPTY
+        disk_held = d_s[resident & (d_s >= 0)]  # all -1 without a disk tier
         if len(prefix):
             prows = key_rows(prefix, self.key_bytes)
             cpu_held = np.concatenate([cpu_held, self.cpu.find_ready(prows)])

@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from .tier_index import EMPTY
+
+
+class Located(NamedTuple):
+    """Where each key is in the local tiers (``TierManager.locate``)."""
+
+    cpu: np.ndarray  # CPU slot, any state; -1 if absent
+    cpu_ready: np.ndarray
+    disk: np.ndarray  # disk slot, any state, of a key with no CPU entry; -1 otherwise
+    disk_ready: np.ndarray
+    pending: np.ndarray  # in flight: RESERVED in the CPU tier, or in the disk tier (being spilled)
 
 
 @dataclass(frozen=True)

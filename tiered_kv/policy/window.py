@@ -52,6 +52,7 @@ _WINDOW, _MAIN = 0, 1
 _SLACK = 16
 START, LOW, HIGH = 0.1, 0.05, 0.2  # the window's target: initial, least, most, as shares of the tier
 GHOSTS = (4, 2)  # each ghost list's bound (window's, main's), in multiples of the tier's slots
+GHOST_BYTES_PER_SLOT = sum(GHOSTS) * 40  # at the bound, ~36 bytes a ghost (rounded up): the config's memory check
 
 
 class WindowGhosts(GhostLists):
