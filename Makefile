@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tiered_kv-installed
 CONFIG ?= configs/default.yaml
 
-.PHONY: venv run test test-gpu lint bench clean
+.PHONY: venv run test test-gpu test-core-debug lint bench clean
 
 venv: $(STAMP)
 
@@ -28,6 +28,17 @@ run: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check tiered_kv tests
 	$(PY) -m pytest -q -m "slow or not slow"
+
+# The differential tests (tests/core) against a build of the native core with AddressSanitizer and
+# UBSan (any error aborts the run); the sanitizer runtimes are preloaded into the uninstrumented Python.
+CORE_DEBUG_DIR := build/core-debug
+test-core-debug: $(STAMP)
+	rm -rf $(CORE_DEBUG_DIR)
+	TIERED_KV_CORE_DEBUG=1 $(PY) setup.py -q build_ext --build-lib $(CORE_DEBUG_DIR) --build-temp $(CORE_DEBUG_DIR)/tmp
+	TIERED_KV_CORE="$$(ls $(CURDIR)/$(CORE_DEBUG_DIR)/tiered_kv/_core*.so)" \
+	LD_PRELOAD="$$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	TIERED_KV_EXPECT_DEBUG_CORE=1 $(PY) -m pytest -q -p no:cacheprovider tests/core
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests

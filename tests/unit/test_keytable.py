@@ -10,10 +10,9 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from reference_core.keytable import LANES, KeyTable
 
 from tiered_kv.errors import KeyFormatError, TieredKVError
-from tiered_kv.keyindex import KeyTable
-from tiered_kv.keyindex.keytable import LANES
 
 
 def A(*slots: int) -> np.ndarray:

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference_core.policy.window import WindowGhosts
 
 from tiered_kv.errors import ConfigError
 from tiered_kv.policy import WindowPolicy, make_policy
-from tiered_kv.policy.window import WindowGhosts
 
 
 def A(*slots: int) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Key -> slot index held in numpy arrays (see keytable.py)."""
+"""Key -> slot index held by the native core (see keytable.py)."""
 
 from __future__ import annotations
 

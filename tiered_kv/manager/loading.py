@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core import core
 from .plans import LoadPlan, Located, PromoteJob
-from .tier_index import EMPTY, READY, RESERVED
+from .tier_index import EMPTY, READY
 
 
 def key_rows(keys: Sequence[bytes], key_bytes: int) -> np.ndarray:
@@ -92,21 +93,9 @@ class LoadPlanning:
 
     def locate(self, rows: np.ndarray) -> Located:
         """Each key's CPU slot and state; for a key with no CPU entry (in any state: one in flight
-        into the CPU tier is waited for, even if it is elsewhere too), its disk slot and state."""
-        n = len(rows)
-        cpu_s = self.cpu.keys.find(rows)
-        cpu_st = self.cpu.state[np.maximum(cpu_s, 0)]
-        pending = (cpu_s >= 0) & (cpu_st == RESERVED)
-        d_s = np.full(n, -1, dtype=np.int64)
-        disk_ready = np.zeros(n, dtype=bool)
-        rest = np.flatnonzero(cpu_s < 0)
-        if self.disk is not None and len(rest):
-            found = self.disk.keys.find(rows[rest])
-            d_st = self.disk.state[np.maximum(found, 0)]
-            d_s[rest] = found
-            disk_ready[rest] = (found >= 0) & (d_st == READY)
-            pending[rest] = (found >= 0) & (d_st == RESERVED)  # being spilled: on its way to disk
-        return Located(cpu_s, (cpu_s >= 0) & (cpu_st == READY), d_s, disk_ready, pending)
+        into the CPU tier is waited for, even if it is elsewhere too), its disk slot and state.
+        One native call over both tiers."""
+        return Located(*core.locate(self.cpu, self.disk, rows))
 
     def prepare_load(self, keys: Sequence[bytes], max_promote: int, *, exclusive: bool = False) -> LoadPlan:
         """Pin the leading run's CPU hits; reserve CPU slots for up to ``max_promote`` disk or remote hits."""

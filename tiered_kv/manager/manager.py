@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from ..core import core
 from .loading import LoadPlanning, Staging, key_rows, repeats
 from .plans import LookupResult, SpillJob, StorePlan
 from .sessions import Sessions
@@ -68,6 +69,9 @@ class TierManager(LoadPlanning):
         self.remote_write: str | None = None  # "write_through" | "write_back" when a remote tier is up
         self._remote_spill: SpillJob | None = None  # write-back job of the last CPU eviction, for its plan
         self.announced: dict[bytes, int] = {}  # keys a store has announced but not yet placed: in flight
+        # The core's fused entry points for the common cases (a lookup, a store into a CPU tier with
+        # nothing below it): one native call each. The general paths below give the same answers.
+        self.fused = True
 
     # -- lookup -----------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
@@ -75,6 +79,9 @@ class TierManager(LoadPlanning):
         n = len(keys)
         if n == 0:
             return LookupResult()
+        if self.fused and not self.announced and self.remote_known is None:  # the common case: one native call
+            run, n_cpu, n_disk = core.leading_run(self.cpu, self.disk, keys)
+            return LookupResult(run, n_cpu, n_disk, run - n_cpu - n_disk, 0)
         rows = key_rows(keys, self.key_bytes)
         _, cpu_ready, _, disk_ready, pending = self.locate(rows)
         if cpu_ready.all():
@@ -119,6 +126,8 @@ class TierManager(LoadPlanning):
         of a chunked prefill). The chain's resident blocks are held while this call evicts,
         so a continuation never evicts its own head (which would orphan everything after it).
         """
+        if self.fused and self.disk is None and self.remote_write is None and self.cpu.protect is None:
+            return self._prepare_store_cpu(keys, gpu_ids, prefix)
         n = len(keys)
         rows = key_rows(keys, self.key_bytes)
         cpu_s, cpu_ready, d_s, disk_ready, in_flight = self.locate(rows)
@@ -150,6 +159,22 @@ class TierManager(LoadPlanning):
             spill=spill,
             deduped=int(np.count_nonzero(resident | repeated)),
             in_flight=int(np.count_nonzero(in_flight & ~repeated)),
+            unplaced_idx=new_idx[len(slots) :],
+            prefix=list(prefix),
+            remote_spill=self.take_remote_spill(),
+        )
+
+    def _prepare_store_cpu(self, keys: Sequence[bytes], gpu_ids: np.ndarray, prefix: Sequence[bytes]) -> StorePlan:
+        """prepare_store with no tier below the CPU (so no spill) and no second chances: one native
+        call finds the new keys, reserves their slots and evicts for the rest (core.Tier.plan_store)."""
+        new_idx, slots, evicted, deduped, in_flight = self.cpu.plan_store(keys, prefix)
+        self._event("evicted", "cpu", evicted)
+        return StorePlan(
+            keys=list(keys),
+            gpu_ids=np.asarray(gpu_ids, dtype=np.int64)[new_idx[: len(slots)]],
+            cpu_slots=slots,
+            deduped=deduped,
+            in_flight=in_flight,
             unplaced_idx=new_idx[len(slots) :],
             prefix=list(prefix),
             remote_spill=self.take_remote_spill(),
@@ -263,7 +288,8 @@ class TierManager(LoadPlanning):
         for tier in (self.cpu, self.disk):
             if tier is not None:
                 slots = tier.find_ready(tail_first)
-                tier.demote(slots[slots >= 0])
+                slots = slots[slots >= 0]
+                tier.demote(slots[np.sort(np.unique(slots, return_index=True)[1])])  # a repeated key once
         return [bytes(r) for r in rows]
 
     # -- spills ----------------------------------------------------------------------

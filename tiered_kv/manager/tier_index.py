@@ -1,9 +1,8 @@
 """One tier's bookkeeping: key -> slot, slot states, pins, free slots and the eviction policy.
 
-Synchronous, loop-thread only, so it needs no locks. Every operation takes a
-batch (a numpy array of slots) and is vectorized: a tier of 64M blocks keeps
-no Python object per block, only fixed-size numpy rows (the key bytes in the
-KeyTable, a state byte, a pin count, the policy's arrays).
+All of it lives in the native core (native/tier.hpp): ``TierIndex`` is the core's ``Tier`` with a
+few Python conveniences, so every batch operation below is one native call with no Python object
+per block. Synchronous, loop-thread only, so it needs no locks.
 
 States: FREE -> RESERVED (a copy into the slot is in flight) -> READY
 (servable, tracked by the policy or the cold list) -> FREE. A READY slot with pins > 0 is being
@@ -16,139 +15,107 @@ orders: a copy that also lives in a faster tier (promoted, or loaded by an
 engine that stores it back on eviction), or the tail of a released session.
 It is evicted first, oldest first, and its victims are dropped, never spilled.
 A touch takes a block out of it again.
+
+Core methods (each takes a batch; slots are 1-D integer arrays, keys a list of ``bytes`` or a
+``uint8[n, key_bytes]`` array): ``find``/``find_ready`` (slot per key, -1 if absent / not READY),
+``reserve(keys)`` (ascending free slots for the leading keys that fit, RESERVED), ``reassign``,
+``commit`` (READY, the LAST slot most recent), ``abort``, ``drop``, ``evict(n)`` (exactly n or none;
+``evicted_cold`` leading ones from the cold list), ``demote(slots, loaded=False)``, ``pin``,
+``unpin``, ``touch``, ``restore``; counters ``free_count``, ``n_ready``, ``n_reserved``,
+``n_ready_pinned``, ``evictable``. A call that is refused raises before it changes anything.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 
-from ..errors import TieredKVError
-from ..keyindex import KeyTable
-from ..policy import EvictionPolicy, LRUPolicy, make_policy
+from ..core import core, seeds
+from ..errors import ConfigError, TieredKVError
+from ..policy.native import KINDS
+from ..policy.window import HIGH, LOW, START
 
-FREE, RESERVED, READY = 0, 1, 2
-_MAX_PINS = np.iinfo(np.uint16).max
+FREE, RESERVED, READY = core.FREE, core.RESERVED, core.READY
 EMPTY = np.empty(0, dtype=np.int64)
 
 
-class TierIndex:
+class TierKeys:
+    """The tier's key table, as the manager reads it: ``slot_keys`` rows, ``find``, ``keys_of``."""
+
+    __slots__ = ("_tier", "slot_keys", "find", "keys_of", "key_tags", "has_key")
+
+    def __init__(self, tier: TierIndex) -> None:
+        self._tier = tier
+        self.slot_keys = tier.keys_view()  # uint8[num_slots, key_bytes]; rows of empty slots are stale
+        self.find, self.keys_of, self.key_tags, self.has_key = tier.find, tier.keys_of, tier.key_tags, tier.has_key
+
+    def __len__(self) -> int:
+        return self._tier.n_keys
+
+    def key_of(self, slot: int) -> bytes:
+        return self.keys_of(np.array([slot]))[0]
+
+
+class PolicyView:
+    """What the tier's policy shows (its lists live in the core): name, sizes, ghosts, order."""
+
+    __slots__ = ("_tier",)
+
+    def __init__(self, tier: TierIndex) -> None:
+        self._tier = tier
+
+    @property
+    def name(self) -> str:
+        return self._tier.policy_name
+
+    def __len__(self) -> int:
+        return self._tier.policy_len
+
+    def order(self) -> list[int]:
+        return self._tier.policy_order()
+
+    def list_sizes(self) -> tuple[int, int]:
+        return self._tier.list_sizes()
+
+    def ghost_sizes(self) -> tuple[int, int]:
+        return self._tier.ghost_sizes()
+
+    @property
+    def p(self) -> float:
+        return self._tier.p
+
+    target = p
+
+
+class TierIndex(core.Tier):
     """Slots of one tier; the eviction policy orders its READY, unpinned slots."""
 
-    def __init__(self, name: str, num_slots: int, key_bytes: int, policy: str | EvictionPolicy = "lru") -> None:
+    def __init__(self, name: str, num_slots: int, key_bytes: int, policy: str = "lru") -> None:
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
             raise TieredKVError(f"tier {name!r} needs at least one slot, got {num_slots!r}")
-        self.name = name
-        self.num_slots = num_slots
-        self.keys = KeyTable(num_slots, key_bytes)
-        self.state = np.zeros(num_slots, dtype=np.uint8)
-        self.pins = np.zeros(num_slots, dtype=np.uint16)
-        # A stack popped from the end: fresh reservations come out ascending, so they form
-        # runs of consecutive slots that copy (and hit the disk) in one call.
-        self._free = np.arange(num_slots - 1, -1, -1, dtype=np.int64)
-        self._nfree = num_slots
-        self.n_reserved = 0
-        self.n_ready = 0
-        self.n_ready_pinned = 0  # READY slots with pins > 0 (not evictable)
-        self.policy = make_policy(policy, num_slots, key_tag=self.keys.key_tags) if isinstance(policy, str) else policy
-        self.cold = LRUPolicy(num_slots)
+        kind = KINDS.get(policy.lower()) if isinstance(policy, str) else None
+        if kind is None:
+            raise ConfigError(f"eviction.policy: unknown policy {policy!r}; allowed: {', '.join(KINDS)}")
+        super().__init__(name, num_slots, key_bytes, kind, seeds(), START, LOW, HIGH)
+        self.state = self.state_view()  # uint8 per slot (FREE / RESERVED / READY); read-only by convention
+        self.pins = self.pins_view()  # uint16 pin count per slot
+        self.keys = TierKeys(self)
+        self.policy = PolicyView(self)
         self.protect: Callable[[np.ndarray], np.ndarray] | None = None  # key rows -> protected (hints)
-        self.evicted_cold = 0  # how many of the last evict()'s victims (the leading ones) came from the cold list
-
-    # -- queries ----------------------------------------------------------------------
-    @property
-    def free_count(self) -> int:
-        return self._nfree
 
     @property
     def used(self) -> int:
-        return self.num_slots - self._nfree
-
-    @property
-    def evictable(self) -> int:
-        return self.n_ready - self.n_ready_pinned
-
-    def find(self, keys: Sequence[bytes]) -> np.ndarray:
-        """Slot of each key (READY or RESERVED), -1 if absent."""
-        return self.keys.find(keys)
-
-    def find_ready(self, keys: Sequence[bytes]) -> np.ndarray:
-        """Slot of each READY key, -1 otherwise."""
-        slots = self.keys.find(keys)
-        hit = slots >= 0
-        slots[hit & (self.state[np.where(hit, slots, 0)] != READY)] = -1
-        return slots
+        return self.num_slots - self.free_count
 
     def resident(self) -> dict[bytes, int]:
         """READY key -> slot, as a dict (O(n) Python objects: for tests and debugging only)."""
         slots = np.flatnonzero(self.state == READY)
-        return dict(zip(self.keys.keys_of(slots), slots.tolist(), strict=True))
+        return dict(zip(self.keys_of(slots), slots.tolist(), strict=True))
 
     def nbytes(self) -> int:
-        parts = (self.keys, self.state, self.pins, self._free, self.policy, self.cold)
-        return sum(part.nbytes for part in parts)
-
-    # -- reserve -> commit | abort -----------------------------------------------------
-    def reserve(self, keys: Sequence[bytes] | np.ndarray) -> np.ndarray:
-        """Reserve free slots for the leading keys that fit (keys must be absent); ascending slots."""
-        n = min(len(keys), self._nfree)
-        if n == 0:
-            return EMPTY
-        slots = np.sort(self._free[self._nfree - n : self._nfree])
-        self.keys.insert(keys[:n], slots)  # raises before anything else changes if a key is present
-        self._nfree -= n
-        self.state[slots] = RESERVED
-        self.n_reserved += n
-        return slots
-
-    def reassign(self, slots: np.ndarray, keys: Sequence[bytes] | np.ndarray) -> None:
-        """Hand evicted slots (READY, out of the policy, unpinned) to new keys, RESERVED."""
-        self._expect(slots, READY)
-        if np.any(self.pins[slots]):
-            raise TieredKVError(f"{self.name}: cannot reassign pinned slots")
-        self.keys.remove(slots)
-        self.keys.insert(keys, slots)
-        self.state[slots] = RESERVED
-        self.n_ready -= len(slots)
-        self.n_reserved += len(slots)
-
-    def commit(self, slots: np.ndarray) -> None:
-        """The slots' bytes have landed: READY and tracked; the LAST slot ends most recent."""
-        if not len(slots):
-            return
-        self._expect(slots, RESERVED)
-        self.state[slots] = READY
-        self.n_reserved -= len(slots)
-        self.n_ready += len(slots)
-        self.n_ready_pinned += int(np.count_nonzero(self.pins[slots]))
-        self.policy.insert(slots)
-
-    def abort(self, slots: np.ndarray) -> None:
-        """Give back RESERVED slots whose copy failed, was cancelled, or never started."""
-        if not len(slots):
-            return
-        self._expect(slots, RESERVED)
-        if np.any(self.pins[slots]):
-            raise TieredKVError(f"{self.name}: cannot abort pinned slots")
-        self.keys.remove(slots)
-        self.state[slots] = FREE
-        self.n_reserved -= len(slots)
-        self._push_free(slots)
-
-    def drop(self, slots: np.ndarray) -> None:
-        """Forget READY, unpinned blocks (evicted, corrupt, or replaced); their slots become free."""
-        if not len(slots):
-            return
-        self._expect(slots, READY)
-        if np.any(self.pins[slots]):
-            raise TieredKVError(f"{self.name}: cannot drop pinned slots")
-        self.policy.remove(slots)  # a no-op for victims evict() already took out
-        self.cold.remove(slots)
-        self.keys.remove(slots)
-        self.state[slots] = FREE
-        self.n_ready -= len(slots)
-        self._push_free(slots)
+        """Bytes the core holds for this tier (keys, table, states, pins, lists, ghosts)."""
+        return self.core_nbytes
 
     def evict(self, n: int) -> np.ndarray:
         """Exactly n unpinned READY victims, out of the policy but still READY; or none.
@@ -156,20 +123,11 @@ class TierIndex:
         The caller drops or reassigns every victim before it returns to the loop
         (they still count as READY and evictable until then).
         """
-        self.evicted_cold = 0
-        if n <= 0 or n > self.evictable:
-            return EMPTY
-        cold = self.cold.evict_up_to(n, self.pins) if len(self.cold) else EMPTY
-        if len(cold) == n:
-            self.evicted_cold = n
-            return cold
-        victims = self.policy.evict(n - len(cold), self.pins)
-        if len(victims) != n - len(cold):  # the counts disagree with the lists: a bug, never silently
-            raise TieredKVError(f"{self.name}: {self.evictable} evictable slots counted but fewer found")
-        if self.protect is not None:
-            victims = self._second_chance(victims)
-        self.evicted_cold = len(cold)
-        return np.concatenate([cold, victims]) if len(cold) else victims
+        victims = super().evict(n)
+        if self.protect is not None and len(victims) > self.evicted_cold:
+            k = self.evicted_cold
+            victims = np.concatenate([victims[:k], self._second_chance(victims[k:])])
+        return victims
 
     def _second_chance(self, victims: np.ndarray) -> np.ndarray:
         """Victims of a protected session go back as most recent and others are taken instead,
@@ -179,116 +137,9 @@ class TierIndex:
             if not keep.any():
                 break
             kept = victims[keep]
-            self.policy.insert(kept)
-            more = self.policy.evict(len(kept), self.pins)
+            self.policy_insert(kept)
+            more = self.policy_evict(len(kept))
             if len(more) != len(kept):  # cannot happen (kept are candidates again); never silently
                 raise TieredKVError(f"{self.name}: a second chance lost {len(kept) - len(more)} victims")
             victims = np.concatenate([victims[~keep], more])
         return victims
-
-    def demote(self, slots: np.ndarray, *, loaded: bool = False) -> None:
-        """Make READY slots the first eviction candidates (oldest first in array order).
-
-        ``loaded``: the blocks were hits that moved up to a faster tier; a policy with
-        a ``demote`` hook (the window's) remembers them as re-referenced.
-        """
-        slots = slots[self.state[slots] == READY] if len(slots) else slots
-        if not len(slots):
-            return
-        slots = slots[self.cold.stamp_of(slots) < 0]
-        (self.policy.demote if loaded else self.policy.remove)(slots)
-        self.cold.insert(slots)
-
-    # -- pins --------------------------------------------------------------------------
-    def pin(self, slots: np.ndarray) -> None:
-        """Protect slots from eviction while they are read; a batch holds distinct slots."""
-        if not len(slots):
-            return
-        pins = self.pins[slots]
-        if np.any(pins == _MAX_PINS):
-            raise TieredKVError(f"{self.name}: more than {_MAX_PINS} concurrent pins on one slot")
-        self.n_ready_pinned += int(np.count_nonzero((pins == 0) & (self.state[slots] == READY)))
-        self.pins[slots] = pins + 1
-
-    def unpin(self, slots: np.ndarray) -> None:
-        if not len(slots):
-            return
-        pins = self.pins[slots]
-        if np.any(pins == 0):
-            raise TieredKVError(f"{self.name}: unpin of a slot that is not pinned")
-        self.pins[slots] = pins - 1
-        self.n_ready_pinned -= int(np.count_nonzero((pins == 1) & (self.state[slots] == READY)))
-
-    def touch(self, slots: np.ndarray) -> None:
-        """Record hits; the LAST slot ends most recent. A cold slot goes back to the policy."""
-        if not len(slots):
-            return
-        if len(self.cold):
-            cold = slots[self.cold.stamp_of(slots) >= 0]
-            if len(cold):
-                cold = np.unique(cold)
-                self.cold.remove(cold)
-                self.policy.insert(cold)
-        self.policy.touch(slots)
-
-    # -- restore after restart ---------------------------------------------------------
-    def restore(self, keys: Sequence[bytes], slots: np.ndarray) -> None:
-        """Re-insert blocks recovered from persistent storage, oldest first, into an empty index."""
-        if self.n_ready or self.n_reserved:
-            raise TieredKVError(f"{self.name}: restore needs an empty index")
-        slots = np.asarray(slots, dtype=np.int64)
-        if len(slots) and (slots.min() < 0 or slots.max() >= self.num_slots or len(np.unique(slots)) != len(slots)):
-            raise TieredKVError(f"{self.name}: recovered slots are out of range or used twice")
-        self.keys.insert(keys, slots)
-        self.state[slots] = READY
-        self.n_ready = len(slots)
-        self.policy.insert(slots)
-        used = np.zeros(self.num_slots, dtype=bool)
-        used[slots] = True
-        free = np.flatnonzero(~used)[::-1]
-        self._nfree = len(free)
-        self._free[: self._nfree] = free
-
-    # -- internals ---------------------------------------------------------------------
-    def _expect(self, slots: np.ndarray, expected: int) -> None:
-        states = self.state[slots]
-        if np.any(states != expected):
-            bad = int(slots[np.argmax(states != expected)])
-            raise TieredKVError(
-                f"{self.name}: slot {bad} is in state {int(self.state[bad])}, expected {expected}"
-            )
-
-    def _push_free(self, slots: np.ndarray) -> None:
-        n = len(slots)
-        if self._nfree + n > len(self._free):
-            raise TieredKVError(f"{self.name}: more slots freed than exist")
-        # Pushed descending, so they pop ascending again.
-        self._free[self._nfree : self._nfree + n] = np.sort(slots)[::-1]
-        self._nfree += n
-
-    def check_invariants(self) -> None:
-        """Every slot accounted for exactly once (tests call this after stress)."""
-        free = self._free[: self._nfree]
-        if len(np.unique(free)) != len(free):
-            raise TieredKVError(f"{self.name}: a slot is on the free list twice")
-        is_free = np.zeros(self.num_slots, dtype=bool)
-        is_free[free] = True
-        st = self.state
-        if np.any(is_free != (st == FREE)):
-            raise TieredKVError(f"{self.name}: free list and FREE states disagree")
-        if np.any(self.pins[st == FREE]):
-            raise TieredKVError(f"{self.name}: a FREE slot is pinned")
-        holds = self.keys.has_key(np.arange(self.num_slots, dtype=np.int64))
-        if np.any(holds != (st != FREE)):
-            raise TieredKVError(f"{self.name}: a slot's key and its state disagree")
-        if int(np.count_nonzero(st == READY)) != self.n_ready or int(np.count_nonzero(st == RESERVED)) != self.n_reserved:
-            raise TieredKVError(f"{self.name}: state counts drifted")
-        pinned_ready = int(np.count_nonzero((st == READY) & (self.pins > 0)))
-        if pinned_ready != self.n_ready_pinned:
-            raise TieredKVError(f"{self.name}: pinned READY count drifted ({self.n_ready_pinned} vs {pinned_ready})")
-        tracked = np.zeros(self.num_slots, dtype=np.int64)
-        for order in (self.policy.order(), self.cold.order()):
-            tracked[np.asarray(order, dtype=np.int64)] += 1
-        if np.any(tracked != (st == READY)):
-            raise TieredKVError(f"{self.name}: READY slots and the policy + cold lists disagree")
-        self.keys.check_invariants()

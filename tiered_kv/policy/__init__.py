@@ -1,4 +1,4 @@
-"""Eviction policies behind one batch interface (see base.EvictionPolicy); pick one by name."""
+"""Eviction policies behind one batch interface (see base.EvictionPolicy), native in the core; pick one by name."""
 
 from __future__ import annotations
 
@@ -22,9 +22,7 @@ def make_policy(name: str, num_slots: int, *, key_tag: KeyTag | None = None) -> 
     cls = _REGISTRY.get(name.lower()) if isinstance(name, str) else None
     if cls is None:
         raise ConfigError(f"eviction.policy: unknown policy {name!r}; allowed: {', '.join(POLICIES)}")
-    if issubclass(cls, ARCPolicy):  # the window policy too: both keep ghosts by key tag
-        return cls(num_slots, key_tag=key_tag)
-    return cls(num_slots)
+    return cls(num_slots, key_tag=key_tag)
 
 
 __all__ = ["ARCPolicy", "EvictionPolicy", "KeyTag", "LRUPolicy", "POLICIES", "WindowPolicy", "make_policy"]

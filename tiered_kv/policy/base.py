@@ -4,9 +4,8 @@ A tier has ``num_slots`` integer slots. The index decides which slots hold
 resident blocks; a policy only orders them for eviction. Every call takes a
 batch: a 1-D int64 numpy array of slot ids (a list or a single int is
 accepted and converted). A 1 TB tier of 16 KiB blocks holds ~64M blocks, so
-a policy keeps fixed-size numpy rows per slot and no Python object per slot,
-and does its per-batch work with numpy operations rather than a Python loop
-per slot.
+the policies live in the native core (native/policy.hpp): fixed-size rows
+per slot, no Python object per slot, one native call per batch.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from ..errors import SlotError
 # Stamps and table values are int32 below this (2**31 blocks of 16 KiB = 32 TiB per tier).
 MAX_SLOTS = 2**31 - 1
 EMPTY = np.zeros(0, dtype=np.int64)
-UNTRACKED = -1
 
 
 class EvictionPolicy(ABC):
@@ -100,11 +98,6 @@ def check_evict_n(n: int) -> int:
     return int(n)
 
 
-def stamp_dtype(max_code: int) -> type[np.signedinteger]:
-    """The narrowest of int32/int64 holding every stamp code up to ``max_code``."""
-    return np.int32 if max_code < 2**31 else np.int64
-
-
 def as_slots(slots: object, num_slots: int) -> np.ndarray:
     """``slots`` as a 1-D int64 array, every id in ``0..num_slots-1`` (else ValueError)."""
     arr = np.asarray(slots)
@@ -128,50 +121,3 @@ def check_pins(pins: object, num_slots: int) -> np.ndarray:
         shape = getattr(pins, "shape", type(pins).__name__)
         raise SlotError(f"pins must be an array of {num_slots} pin counts (one per slot), got {shape}")
     return pins
-
-
-def unpinned(pins: np.ndarray | None, slots: np.ndarray, live: np.ndarray) -> np.ndarray:
-    """``live`` and not pinned (``pins`` None: nothing is pinned, ``live`` itself comes back)."""
-    if pins is None:
-        return live
-    return live & (pins[slots] == 0)
-
-
-def check_untracked(stamp: np.ndarray, slots: np.ndarray, policy: str) -> None:
-    """ValueError unless every slot is untracked (stamp -1; tracked stamps are >= 0)."""
-    if slots.size and np.maximum.reduce(stamp[slots]) != UNTRACKED:
-        bad = int(slots[stamp[slots] != UNTRACKED][0])
-        raise SlotError(f"slot {bad} is already tracked by the {policy} policy")
-
-
-def repeated_slot(slots: np.ndarray) -> ValueError:
-    """The error for an insert batch that names a slot twice."""
-    values, counts = np.unique(slots, return_counts=True)
-    return ValueError(f"slot {int(values[counts > 1][0])} appears twice in one insert batch")
-
-
-def check_new(stamp: np.ndarray, slots: np.ndarray, policy: str) -> None:
-    """ValueError unless every slot is untracked and appears once; leaves ``stamp`` as it was."""
-    check_untracked(stamp, slots, policy)
-    if slots.size > 1:
-        once = distinct_winners(stamp, slots)
-        stamp[slots] = UNTRACKED
-        if not np.logical_and.reduce(once):
-            raise repeated_slot(slots)
-
-
-def distinct_winners(stamp: np.ndarray, slots: np.ndarray) -> np.ndarray:
-    """A mask with True at exactly one position per distinct slot (cheaper than np.unique).
-
-    Overwrites ``stamp[slots]``: the caller restores or replaces them.
-    """
-    marks = -2 - np.arange(slots.size, dtype=np.int64)
-    stamp[slots] = marks
-    return stamp[slots] == marks
-
-
-def last_occurrences(slots: np.ndarray) -> np.ndarray:
-    """``slots`` with repeats dropped, each slot kept at its last position, order otherwise kept."""
-    rev = slots[::-1]
-    _, first_in_rev = np.unique(rev, return_index=True)
-    return slots[np.sort(slots.size - 1 - first_in_rev)]

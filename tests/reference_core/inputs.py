@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from ..errors import KeyFormatError, TieredKVError
+from tiered_kv.errors import KeyFormatError, TieredKVError
 
 KeysIn = Iterable[bytes] | np.ndarray
 

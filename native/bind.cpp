@@ -1,0 +1,358 @@
+// tiered_kv._core: the bookkeeping core's Python bindings (pybind11). Each method is one batch.
+#include <pybind11/stl.h>
+
+#include "convert.hpp"
+#include "tier.hpp"
+
+using namespace tkv;
+
+namespace {
+
+u64 seed_word(const py::bytes& seeds, int i) {
+    std::string s = seeds;
+    if (s.size() < 8 * static_cast<size_t>(i + 1)) raise(Err::Tier, "core seeds must be 32 bytes");
+    u64 w;
+    std::memcpy(&w, s.data() + 8 * i, 8);
+    return w;
+}
+
+Kind kind_of(int k) {
+    if (k < 0 || k > 2) raise(Err::Tier, "unknown policy kind " + S(k));
+    return static_cast<Kind>(k);
+}
+
+// A standalone key table (the remote tier's residency filter uses one).
+struct KeyIndex {
+    KeyTable t;
+    KeyIndex(i64 n, int kb, const py::bytes& seeds)
+        : t(n, kb, seed_word(seeds, 0), seed_word(seeds, 1), seed_word(seeds, 2)) {}
+};
+
+// A standalone policy over its own lists (the flat simulators use one): tags are given on insert.
+struct PolicyCore {
+    i64 n;
+    Lists lists;
+    std::vector<u64> tags;
+    Policy policy;
+    PolicyCore(int kind, i64 n_, u64 mult, double start, double low, double high)
+        : n(n_), lists(n_), tags(static_cast<size_t>(n_), 0),
+          policy(kind_of(kind), n_, lists, tags.data(), mult, start, low, high) {}
+};
+
+py::array_t<i64> find_all(const KeyTable& t, const KeyArgs& k) {
+    py::array_t<i64> out(k.size());
+    i64* o = out.mutable_data();
+    for (i64 i = 0; i < k.size(); ++i) o[i] = t.find(k.ptr[static_cast<size_t>(i)]);
+    return out;
+}
+
+py::list keys_list(const KeyTable& t, const SlotArgs& s, const char* op) {
+    py::list out(s.n);
+    for (i64 i = 0; i < s.n; ++i) {
+        if (!t.held(s.p[i])) raise(Err::Tier, std::string(op) + ": slot " + S(s.p[i]) + " holds no key");
+        out[static_cast<size_t>(i)] = py::bytes(reinterpret_cast<const char*>(t.key_at(s.p[i])), static_cast<size_t>(t.key_bytes()));
+    }
+    return out;
+}
+
+// Where each key is: its CPU slot and whether READY; for a key with no CPU entry in any state, its
+// disk slot and whether READY; pending: RESERVED in the CPU tier, or in the disk tier (being spilled).
+py::tuple locate(Tier& cpu, Tier* disk, py::handle keys) {
+    KeyArgs k = key_args(keys, cpu.keys().key_bytes());
+    i64 n = k.size();
+    py::array_t<i64> cs(n), ds(n);
+    py::array_t<bool> cr(n), dr(n), pend(n);
+    i64 *c = cs.mutable_data(), *d = ds.mutable_data();
+    bool *crp = cr.mutable_data(), *drp = dr.mutable_data(), *pp = pend.mutable_data();
+    for (i64 i = 0; i < n; ++i) {
+        const u8* key = k.ptr[static_cast<size_t>(i)];
+        i64 s = cpu.keys().find(key);
+        c[i] = s;
+        d[i] = -1;
+        crp[i] = s >= 0 && cpu.state(s) == READY;
+        pp[i] = s >= 0 && cpu.state(s) == RESERVED;
+        drp[i] = false;
+        if (s < 0 && disk) {
+            i64 x = disk->keys().find(key);
+            d[i] = x;
+            drp[i] = x >= 0 && disk->state(x) == READY;
+            pp[i] = x >= 0 && disk->state(x) == RESERVED;
+        }
+    }
+    return py::make_tuple(cs, cr, ds, dr, pend);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+    m.doc() = "tiered_kv's bookkeeping core: key tables, tier indexes and eviction policies";
+    py::register_exception_translator([](std::exception_ptr p) {
+        try {
+            if (p) std::rethrow_exception(p);
+        } catch (const CoreError& e) {
+            py::object& cls = error_class(e.kind);
+            PyErr_SetString(cls ? cls.ptr() : PyExc_RuntimeError, e.what());
+        }
+    });
+    m.def("set_errors", [](py::object tier, py::object key, py::object slot) {
+        error_class(Err::Tier) = tier;
+        error_class(Err::Key) = key;
+        error_class(Err::Slot) = slot;
+    });
+#ifdef TKV_DEBUG
+    m.attr("DEBUG") = true;
+#else
+    m.attr("DEBUG") = false;
+#endif
+    m.attr("FREE") = FREE;
+    m.attr("RESERVED") = RESERVED;
+    m.attr("READY") = READY;
+    m.attr("WINDOW_GHOSTS") = py::make_tuple(WINDOW_GHOSTS[0], WINDOW_GHOSTS[1]);
+    m.attr("GHOST_BYTES") = 25;  // per ghost at the bound (lists.hpp)
+    m.def("leading_run", [](const Tier& cpu, const Tier* disk, py::handle keys) {
+        KeyArgs k = key_args(keys, cpu.keys().key_bytes());
+        i64 counts[2];
+        i64 run = cpu.leading_run(disk, k.data(), k.size(), counts);
+        return py::make_tuple(run, counts[0], counts[1]);
+    }, py::arg("cpu"), py::arg("disk").none(true), py::arg("keys"));
+    m.def("locate", &locate, py::arg("cpu"), py::arg("disk").none(true), py::arg("keys"));
+
+    py::class_<Tier>(m, "Tier")
+        .def(py::init([](const std::string& name, i64 n, int kb, int kind, const py::bytes& seeds, double start,
+                         double low, double high) {
+            if (n <= 0 || n >= (i64(1) << 31) - 8) raise(Err::Tier, "tier " + name + " needs 1 .. 2^31 - 9 slots, got " + S(n));
+            if (kb < 1) raise(Err::Tier, "key_bytes must be >= 1, got " + S(kb));
+            u64 w[4] = {seed_word(seeds, 0), seed_word(seeds, 1), seed_word(seeds, 2), seed_word(seeds, 3)};
+            return new Tier(name, n, kb, kind_of(kind), w, start, low, high);
+        }))
+        .def_property_readonly("name", &Tier::name)
+        .def_property_readonly("num_slots", &Tier::num_slots)
+        .def_property_readonly("key_bytes", [](const Tier& t) { return t.keys().key_bytes(); })
+        .def_property_readonly("free_count", &Tier::free_count)
+        .def_property_readonly("n_ready", &Tier::n_ready)
+        .def_property_readonly("n_reserved", &Tier::n_reserved)
+        .def_property_readonly("n_ready_pinned", &Tier::n_ready_pinned)
+        .def_property_readonly("evictable", &Tier::evictable)
+        .def_property_readonly("evicted_cold", &Tier::evicted_cold)
+        .def_property_readonly("cold_size", &Tier::cold_size)
+        .def_property_readonly("n_keys", [](const Tier& t) { return t.keys().size(); })
+        .def_property_readonly("core_nbytes", &Tier::nbytes)
+        .def_property_readonly("ghost_nbytes", [](const Tier& t) { return t.policy().nbytes(); })
+        .def("state_view", [](py::object self) {
+            Tier& t = self.cast<Tier&>();
+            return py::array(py::dtype::of<u8>(), {t.num_slots()}, t.state_data(), self);
+        })
+        .def("pins_view", [](py::object self) {
+            Tier& t = self.cast<Tier&>();
+            return py::array(py::dtype::of<u16>(), {t.num_slots()}, t.pins_data(), self);
+        })
+        .def("keys_view", [](py::object self) {
+            Tier& t = self.cast<Tier&>();
+            std::vector<py::ssize_t> shape{t.num_slots(), t.keys().key_bytes()};
+            return py::array(py::dtype::of<u8>(), shape, t.keys().keys_data(), self);
+        })
+        .def("find", [](const Tier& t, py::handle keys) { return find_all(t.keys(), key_args(keys, t.keys().key_bytes())); })
+        .def("find_ready", [](const Tier& t, py::handle keys) {
+            KeyArgs k = key_args(keys, t.keys().key_bytes());
+            py::array_t<i64> out(k.size());
+            i64* o = out.mutable_data();
+            for (i64 i = 0; i < k.size(); ++i) o[i] = t.find_ready(k.ptr[static_cast<size_t>(i)]);
+            return out;
+        })
+        .def("reserve", [](Tier& t, py::handle keys) {
+            KeyArgs k = key_args(keys, t.keys().key_bytes());
+            std::vector<i64> out(static_cast<size_t>(std::min(k.size(), t.free_count())));
+            i64 got = t.reserve(k.data(), k.size(), out.data());
+            return i64_array(out.data(), got);
+        })
+        .def("reassign", [](Tier& t, py::handle slots, py::handle keys) {
+            SlotArgs s = slot_args(slots, t.num_slots(), "reassign");
+            KeyArgs k = key_args(keys, t.keys().key_bytes());
+            if (k.size() != s.n) raise(Err::Tier, "reassign got " + S(k.size()) + " keys but " + S(s.n) + " slots");
+            t.reassign(s.p, s.n, k.data());
+        })
+        .def("commit", [](Tier& t, py::handle s) { SlotArgs a = slot_args(s, t.num_slots(), "commit"); t.commit(a.p, a.n); })
+        .def("abort", [](Tier& t, py::handle s) { SlotArgs a = slot_args(s, t.num_slots(), "abort"); t.abort(a.p, a.n); })
+        .def("drop", [](Tier& t, py::handle s) { SlotArgs a = slot_args(s, t.num_slots(), "drop"); t.drop(a.p, a.n); })
+        .def("pin", [](Tier& t, py::handle s) { SlotArgs a = slot_args(s, t.num_slots(), "pin"); t.pin(a.p, a.n); })
+        .def("unpin", [](Tier& t, py::handle s) { SlotArgs a = slot_args(s, t.num_slots(), "unpin"); t.unpin(a.p, a.n); })
+        .def("touch", [](Tier& t, py::handle s) { SlotArgs a = slot_args(s, t.num_slots(), "touch"); t.touch(a.p, a.n); })
+        .def("demote", [](Tier& t, py::handle s, bool loaded) {
+            SlotArgs a = slot_args(s, t.num_slots(), "demote");
+            t.demote(a.p, a.n, loaded);
+        }, py::arg("slots"), py::arg("loaded") = false)
+        .def("evict", [](Tier& t, i64 n) {
+            std::vector<i64> out;
+            t.evict(n, out);
+            return i64_array(out.data(), static_cast<i64>(out.size()));
+        })
+        .def("plan_store", [](Tier& t, py::handle keys, py::handle prefix) {
+            const int kb = t.keys().key_bytes();
+            KeyArgs k = key_args(keys, kb), pre = key_args(prefix, kb);
+            std::vector<i64> new_idx, slots;
+            std::vector<u8> evicted;
+            i64 counts[2];
+            t.plan_store(k.data(), k.size(), pre.data(), pre.size(), new_idx, slots, evicted, counts);
+            i64 ne = static_cast<i64>(evicted.size()) / kb;
+            py::array_t<u8> rows({ne, static_cast<i64>(kb)});
+            if (ne) std::memcpy(rows.mutable_data(), evicted.data(), evicted.size());
+            return py::make_tuple(i64_array(new_idx.data(), static_cast<i64>(new_idx.size())),
+                                  i64_array(slots.data(), static_cast<i64>(slots.size())), rows, counts[0], counts[1]);
+        })
+        .def("policy_insert", [](Tier& t, py::handle s) {
+            SlotArgs a = slot_args(s, t.num_slots(), "policy_insert");
+            t.policy().insert(a.p, a.n);
+        })
+        .def("policy_evict", [](Tier& t, i64 n) {
+            std::vector<i64> out;
+            PinView pins{reinterpret_cast<const u8*>(t.pins_data()), 2};
+            t.policy().evict(n, pins, out);
+            return i64_array(out.data(), static_cast<i64>(out.size()));
+        })
+        .def("restore", [](Tier& t, py::handle keys, py::handle slots) {
+            KeyArgs k = key_args(keys, t.keys().key_bytes());
+            SlotArgs s = slot_args(slots, t.num_slots(), "restore");
+            if (k.size() != s.n) raise(Err::Tier, "restore got " + S(k.size()) + " keys but " + S(s.n) + " slots");
+            t.restore(k.data(), s.p, s.n);
+        })
+        .def("keys_of", [](const Tier& t, py::handle s) { return keys_list(t.keys(), slot_args(s, t.num_slots(), "keys_of"), "keys_of"); })
+        .def("key_tags", [](const Tier& t, py::handle s) {
+            SlotArgs a = slot_args(s, t.num_slots(), "key_tags");
+            py::array_t<u64> out(a.n);
+            for (i64 i = 0; i < a.n; ++i) out.mutable_data()[i] = t.keys().hash_at(a.p[i]);
+            return out;
+        })
+        .def("has_key", [](const Tier& t, py::handle s) {
+            SlotArgs a = slot_args(s, t.num_slots(), "has_key");
+            py::array_t<bool> out(a.n);
+            for (i64 i = 0; i < a.n; ++i) out.mutable_data()[i] = t.keys().held(a.p[i]);
+            return out;
+        })
+        .def("in_cold", [](const Tier& t, py::handle s) {
+            SlotArgs a = slot_args(s, t.num_slots(), "in_cold");
+            py::array_t<bool> out(a.n);
+            for (i64 i = 0; i < a.n; ++i) out.mutable_data()[i] = t.in_cold(a.p[i]);
+            return out;
+        })
+        .def("cold_order", [](const Tier& t) { return t.lists().members(COLD); })
+        .def("policy_order", [](const Tier& t) { return t.policy().order(); })
+        .def_property_readonly("policy_name", [](const Tier& t) { return std::string(kind_name(t.policy().kind())); })
+        .def_property_readonly("policy_len", [](const Tier& t) { return t.policy().size(); })
+        .def_property_readonly("p", [](const Tier& t) { return t.policy().p(); })
+        .def("list_sizes", [](const Tier& t) { return py::make_tuple(t.lists().size(T1), t.lists().size(T2)); })
+        .def("ghost_sizes", [](const Tier& t) { return py::make_tuple(t.policy().ghosts().size(0), t.policy().ghosts().size(1)); })
+        .def("check_invariants", &Tier::check);
+
+    py::class_<KeyIndex>(m, "KeyIndex")
+        .def(py::init([](i64 n, int kb, const py::bytes& seeds) {
+            if (n < 1 || n >= (i64(1) << 31) - 8) raise(Err::Tier, "KeyTable num_slots must be an int in [1, 2^31 - 9], got " + S(n));
+            if (kb < 1) raise(Err::Tier, "KeyTable key_bytes must be an int >= 1, got " + S(kb));
+            return new KeyIndex(n, kb, seeds);
+        }))
+        .def_property_readonly("num_slots", [](const KeyIndex& k) { return k.t.num_slots(); })
+        .def_property_readonly("key_bytes", [](const KeyIndex& k) { return k.t.key_bytes(); })
+        .def_property_readonly("nbytes", [](const KeyIndex& k) { return k.t.nbytes(); })
+        .def("__len__", [](const KeyIndex& k) { return k.t.size(); })
+        .def("keys_view", [](py::object self) {
+            KeyIndex& k = self.cast<KeyIndex&>();
+            std::vector<py::ssize_t> shape{k.t.num_slots(), k.t.key_bytes()};
+            return py::array(py::dtype::of<u8>(), shape, k.t.keys_data(), self);
+        })
+        .def("find", [](const KeyIndex& k, py::handle keys) { return find_all(k.t, key_args(keys, k.t.key_bytes())); })
+        .def("leading_run", [](const KeyIndex& k, py::handle keys) {
+            KeyArgs a = key_args(keys, k.t.key_bytes());
+            i64 i = 0;
+            while (i < a.size() && k.t.find(a.ptr[static_cast<size_t>(i)]) >= 0) ++i;
+            return i;
+        })
+        .def("insert", [](KeyIndex& k, py::handle keys, py::handle slots) {
+            KeyArgs a = key_args(keys, k.t.key_bytes());
+            SlotArgs s = slot_args(slots, k.t.num_slots(), "insert");
+            if (a.size() != s.n) raise(Err::Tier, "insert got " + S(a.size()) + " keys but " + S(s.n) + " slots");
+            std::vector<i64> sorted(s.p, s.p + s.n);
+            std::sort(sorted.begin(), sorted.end());
+            auto rep = std::adjacent_find(sorted.begin(), sorted.end());
+            if (rep != sorted.end()) raise(Err::Tier, "insert: slot " + S(*rep) + " appears twice in one batch");
+            for (i64 i = 0; i < s.n; ++i)
+                if (k.t.held(s.p[i])) raise(Err::Tier, "insert into slot " + S(s.p[i]) + ", which already holds key " + k.t.hex(k.t.key_at(s.p[i])));
+            i64 done = 0;
+            try {
+                for (; done < s.n; ++done) {
+                    const u8* key = a.ptr[static_cast<size_t>(done)];
+                    u64 h = k.t.hash(key);
+                    i64 at = k.t.find_h(key, h);
+                    if (at >= 0) raise(Err::Tier, "insert of key " + k.t.hex(key) + " into slot " + S(s.p[done]) + ": the key is already in slot " + S(at));
+                    k.t.insert_h(key, h, s.p[done]);
+                }
+            } catch (...) {
+                for (i64 i = 0; i < done; ++i) k.t.remove(s.p[i]);
+                throw;
+            }
+        })
+        .def("remove", [](KeyIndex& k, py::handle slots) {
+            SlotArgs s = slot_args(slots, k.t.num_slots(), "remove");
+            std::vector<i64> sorted(s.p, s.p + s.n);
+            std::sort(sorted.begin(), sorted.end());
+            auto rep = std::adjacent_find(sorted.begin(), sorted.end());
+            if (rep != sorted.end()) raise(Err::Tier, "remove: slot " + S(*rep) + " appears twice in one batch");
+            for (i64 i = 0; i < s.n; ++i)
+                if (!k.t.held(s.p[i])) raise(Err::Tier, "remove: slot " + S(s.p[i]) + " holds no key");
+            for (i64 i = 0; i < s.n; ++i) k.t.remove(s.p[i]);
+        })
+        .def("has_key", [](const KeyIndex& k, py::handle slots) {
+            SlotArgs s = slot_args(slots, k.t.num_slots(), "has_key");
+            py::array_t<bool> out(s.n);
+            for (i64 i = 0; i < s.n; ++i) out.mutable_data()[i] = k.t.held(s.p[i]);
+            return out;
+        })
+        .def("keys_of", [](const KeyIndex& k, py::handle s) { return keys_list(k.t, slot_args(s, k.t.num_slots(), "keys_of"), "keys_of"); })
+        .def("check_invariants", [](const KeyIndex& k) { k.t.check(); });
+
+    py::class_<PolicyCore>(m, "PolicyCore")
+        .def(py::init([](int kind, i64 n, u64 mult, double start, double low, double high) {
+            if (n < 0 || n >= (i64(1) << 31) - 8) raise(Err::Slot, "num_slots must be an int in 0..2^31 - 9, got " + S(n));
+            return new PolicyCore(kind, n, mult, start, low, high);
+        }))
+        .def_property_readonly("num_slots", [](const PolicyCore& c) { return c.n; })
+        .def_property_readonly("name", [](const PolicyCore& c) { return std::string(kind_name(c.policy.kind())); })
+        .def("__len__", [](const PolicyCore& c) { return c.policy.size(); })
+        .def("tracked", [](const PolicyCore& c, i64 s) { return s >= 0 && s < c.n && c.policy.tracked(s); })
+        .def("insert", [](PolicyCore& c, py::handle slots, py::handle tags) {
+            SlotArgs s = slot_args(slots, c.n, "insert", Err::Slot);
+            auto t = py::array_t<u64, py::array::c_style | py::array::forcecast>::ensure(tags);
+            if (!t || t.ndim() != 1 || t.size() != s.n) raise(Err::Slot, "key_tag returned " + S(t ? t.size() : -1) + " tags for " + S(s.n) + " slots");
+            for (i64 i = 0; i < s.n; ++i)
+                if (c.policy.tracked(s.p[i]) || c.lists.lid(s.p[i]) != NO_LIST)
+                    raise(Err::Slot, "slot " + S(s.p[i]) + " is already tracked by the " + kind_name(c.policy.kind()) + " policy");
+            std::vector<u64> old(static_cast<size_t>(s.n));
+            for (i64 i = 0; i < s.n; ++i) old[static_cast<size_t>(i)] = c.tags[static_cast<size_t>(s.p[i])];
+            for (i64 i = 0; i < s.n; ++i) c.tags[static_cast<size_t>(s.p[i])] = t.data()[i];
+            try {
+                c.policy.insert(s.p, s.n);
+            } catch (...) {
+                for (i64 i = 0; i < s.n; ++i) c.tags[static_cast<size_t>(s.p[i])] = old[static_cast<size_t>(i)];
+                throw;
+            }
+        })
+        .def("touch", [](PolicyCore& c, py::handle s) { SlotArgs a = slot_args(s, c.n, "touch", Err::Slot); c.policy.touch(a.p, a.n); })
+        .def("remove", [](PolicyCore& c, py::handle s) { SlotArgs a = slot_args(s, c.n, "remove", Err::Slot); c.policy.remove(a.p, a.n); })
+        .def("demote", [](PolicyCore& c, py::handle s) { SlotArgs a = slot_args(s, c.n, "demote", Err::Slot); c.policy.demote(a.p, a.n); })
+        .def("evict", [](PolicyCore& c, i64 n, py::handle pins) {
+            std::vector<i64> out;
+            py::array p = py::array::ensure(pins);
+            if (!p || p.ndim() != 1 || p.shape(0) != c.n || (p.dtype().kind() != 'u' && p.dtype().kind() != 'i' && p.dtype().kind() != 'b'))
+                raise(Err::Slot, "pins must be an array of " + S(c.n) + " pin counts (one per slot)");
+            auto pc = py::array::ensure(p, py::array::c_style);
+            PinView view{static_cast<const u8*>(pc.data()), static_cast<int>(pc.itemsize())};
+            c.policy.evict(n, view, out);
+            return i64_array(out.data(), static_cast<i64>(out.size()));
+        })
+        .def("order", [](const PolicyCore& c) { return c.policy.order(); })
+        .def_property_readonly("p", [](const PolicyCore& c) { return c.policy.p(); })
+        .def("list_sizes", [](const PolicyCore& c) { return py::make_tuple(c.lists.size(T1), c.lists.size(T2)); })
+        .def("ghost_sizes", [](const PolicyCore& c) { return py::make_tuple(c.policy.ghosts().size(0), c.policy.ghosts().size(1)); })
+        .def("ghost_tags", [](const PolicyCore& c) { return py::make_tuple(c.policy.ghosts().tags(0), c.policy.ghosts().tags(1)); })
+        .def_property_readonly("nbytes", [](const PolicyCore& c) { return c.lists.nbytes() + c.policy.nbytes(); })
+        .def_property_readonly("ghost_nbytes", [](const PolicyCore& c) { return c.policy.nbytes(); })
+        .def("check_invariants", [](const PolicyCore& c) { c.lists.check(); c.policy.ghosts().check(); });
+}

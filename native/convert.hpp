@@ -1,0 +1,108 @@
+// Python -> core arguments: keys (a list/tuple of bytes, or a uint8[n, key_bytes] array) and slot
+// arrays, checked with errors that name the culprit; core results -> numpy arrays.
+#pragma once
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include "common.hpp"
+
+namespace py = pybind11;
+
+namespace tkv {
+
+// The Python exception classes of tiered_kv.errors, by Err kind (set once by _core.set_errors).
+inline py::object& error_class(Err kind) {
+    static py::object classes[3];
+    return classes[static_cast<int>(kind)];
+}
+
+[[noreturn]] inline void raise(Err kind, const std::string& msg) {
+    py::object& cls = error_class(kind);
+    PyErr_SetString(cls ? cls.ptr() : PyExc_ValueError, msg.c_str());
+    throw py::error_already_set();
+}
+
+struct KeyArgs {
+    std::vector<const u8*> ptr;
+    py::object hold;  // keeps the buffers alive while the pointers are used
+    i64 size() const { return static_cast<i64>(ptr.size()); }
+    const u8* const* data() const { return ptr.data(); }
+};
+
+inline KeyArgs key_args(py::handle obj, int kb) {
+    KeyArgs k;
+    PyObject* o = obj.ptr();
+    if (PyList_Check(o) || PyTuple_Check(o)) {
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
+        PyObject** items = PySequence_Fast_ITEMS(o);
+        k.ptr.resize(static_cast<size_t>(n));
+        for (Py_ssize_t i = 0; i < n; ++i) {
+            PyObject* it = items[i];
+            if (!PyBytes_Check(it))
+                raise(Err::Key, "keys[" + S(i) + "] must be bytes, got " + Py_TYPE(it)->tp_name);
+            if (PyBytes_GET_SIZE(it) != kb)
+                raise(Err::Key, "keys[" + S(i) + "] has " + S(PyBytes_GET_SIZE(it)) + " bytes, expected " + S(kb) + " per key");
+            k.ptr[static_cast<size_t>(i)] = reinterpret_cast<const u8*>(PyBytes_AS_STRING(it));
+        }
+        k.hold = py::reinterpret_borrow<py::object>(obj);
+        return k;
+    }
+    if (py::isinstance<py::array>(obj)) {
+        py::array a = py::reinterpret_borrow<py::array>(obj);
+        if (a.dtype().kind() != 'u' || a.itemsize() != 1 || a.ndim() != 2 || a.shape(1) != kb)
+            raise(Err::Key, "key array must be uint8[n, " + S(kb) + "], got " + std::string(py::str(a.dtype())) +
+                                std::string(py::str(py::tuple(a.attr("shape")))));
+        auto c = py::array_t<u8, py::array::c_style>::ensure(a);
+        const u8* base = c.data();
+        i64 n = a.shape(0);
+        k.ptr.resize(static_cast<size_t>(n));
+        for (i64 i = 0; i < n; ++i) k.ptr[static_cast<size_t>(i)] = base + i * kb;
+        k.hold = c;
+        return k;
+    }
+    if (PyBytes_Check(o) || PyByteArray_Check(o) || PyUnicode_Check(o) || PyMemoryView_Check(o))
+        raise(Err::Key, "keys must be a sequence of " + S(kb) + "-byte keys, got one " + Py_TYPE(o)->tp_name);
+    return key_args(py::list(py::reinterpret_borrow<py::iterable>(obj)), kb);  // any other iterable of keys
+}
+
+struct SlotArgs {
+    const i64* p = nullptr;
+    i64 n = 0;
+    py::object hold;
+};
+
+// A 1-D integer array (or list) of slots in [0, num); `op` names the call in errors.
+inline SlotArgs slot_args(py::handle obj, i64 num, const char* op, Err kind = Err::Tier) {
+    py::array a = py::array::ensure(obj);
+    if (!a) {
+        PyErr_Clear();
+        raise(kind, std::string(op) + ": slots must be a 1-D integer array, got " + Py_TYPE(obj.ptr())->tp_name);
+    }
+    if (a.ndim() == 0) a = a.attr("reshape")(1);
+    char dk = a.dtype().kind();
+    if (a.ndim() != 1 || (a.size() && dk != 'i' && dk != 'u'))
+        raise(kind, std::string(op) + ": slots must be a 1-D integer array, got " + std::string(py::str(a.dtype())) +
+                        std::string(py::str(py::tuple(a.attr("shape")))));
+    auto c = py::array_t<i64, py::array::c_style | py::array::forcecast>::ensure(a);
+    SlotArgs s{c.data(), static_cast<i64>(c.size()), c};
+    for (i64 i = 0; i < s.n; ++i)
+        if (s.p[i] < 0 || s.p[i] >= num) {
+            if (kind == Err::Slot) raise(kind, "slot " + S(s.p[i]) + " out of range for a policy of " + S(num) + " slots");
+            raise(kind, std::string(op) + ": slot " + S(s.p[i]) + " is outside [0, " + S(num) + ")");
+        }
+    return s;
+}
+
+inline py::array_t<i64> i64_array(const i64* p, i64 n) {
+    py::array_t<i64> a(n);
+    if (n) std::memcpy(a.mutable_data(), p, static_cast<size_t>(n) * sizeof(i64));
+    return a;
+}
+
+inline py::array_t<bool> bool_array(i64 n) {
+    py::array_t<bool> a(n);
+    if (n) std::memset(a.mutable_data(), 0, static_cast<size_t>(n));
+    return a;
+}
+
+}  // namespace tkv

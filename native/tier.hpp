@@ -1,0 +1,423 @@
+// One tier's bookkeeping: key -> slot, slot states, pins, the free stack, the policy and the cold list.
+//
+// States: FREE -> RESERVED (a copy into the slot is in flight) -> READY (servable; in the policy's
+// lists or the cold list) -> FREE. A READY slot with pins > 0 is never evicted. The cold list holds
+// READY blocks worth less than anything the policy orders (copies that also live in a faster tier,
+// a released session's tail): evicted first, oldest first. Every call validates its whole batch
+// before it changes anything, so a refused call leaves the tier as it was.
+#pragma once
+#include <algorithm>
+
+#include "keytable.hpp"
+#include "policy.hpp"
+
+namespace tkv {
+
+constexpr u8 FREE = 0, RESERVED = 1, READY = 2;
+
+// The keys of one call seen so far, by hash (open addressing over indices): repeats in O(1) each.
+class Seen {
+public:
+    explicit Seen(i64 n) : size_(static_cast<u64>(std::max<i64>(8, 2 * n))), at_(size_, -1), h_(size_, 0) {}
+    // Whether keys[i] equals an earlier key; records it otherwise.
+    bool add(const u8* const* keys, i64 i, u64 h, int kb) {
+        size_t j = scale(h, size_);
+        for (; at_[j] >= 0; j = j + 1 == size_ ? 0 : j + 1)
+            if (h_[j] == h && std::memcmp(keys[at_[j]], keys[i], kb) == 0) return true;
+        at_[j] = i;
+        h_[j] = h;
+        return false;
+    }
+
+private:
+    u64 size_;
+    std::vector<i64> at_;
+    std::vector<u64> h_;
+};
+constexpr u16 MAX_PINS = 0xFFFF;
+
+class Tier {
+public:
+    Tier(std::string name, i64 n, int key_bytes, Kind kind, const u64 seeds[4], double start, double low, double high)
+        : name_(std::move(name)), n_(n), keys_(n, key_bytes, seeds[0], seeds[1], seeds[2]), state_(n, FREE),
+          pins_(n, 0), free_(n), lists_(n),
+          policy_(kind, n, lists_, keys_.hashes(), seeds[3], start, low, high) {
+        for (i64 i = 0; i < n; ++i) free_[i] = static_cast<i32>(n - 1 - i);  // popped from the end: ascending
+        nfree_ = n;
+    }
+
+    const std::string& name() const { return name_; }
+    i64 num_slots() const { return n_; }
+    KeyTable& keys() { return keys_; }
+    const KeyTable& keys() const { return keys_; }
+    Policy& policy() { return policy_; }
+    const Policy& policy() const { return policy_; }
+    const Lists& lists() const { return lists_; }
+    u8* state_data() { return state_.data(); }
+    u16* pins_data() { return pins_.data(); }
+    u8 state(i64 s) const { return state_[s]; }
+    u16 pins(i64 s) const { return pins_[s]; }
+    i64 free_count() const { return nfree_; }
+    i64 n_ready() const { return n_ready_; }
+    i64 n_reserved() const { return n_reserved_; }
+    i64 n_ready_pinned() const { return n_ready_pinned_; }
+    i64 evictable() const { return n_ready_ - n_ready_pinned_; }
+    i64 evicted_cold() const { return evicted_cold_; }
+    i64 cold_size() const { return lists_.size(COLD); }
+    bool in_cold(i64 s) const { return lists_.lid(s) == COLD; }
+    size_t nbytes() const {
+        return keys_.nbytes() + state_.size() + pins_.size() * sizeof(u16) + free_.size() * sizeof(i32) +
+               lists_.nbytes() + policy_.nbytes();
+    }
+
+    i64 find_ready(const u8* k) const {
+        i64 s = keys_.find(k);
+        return s >= 0 && state_[s] == READY ? s : -1;
+    }
+
+    // Free slots for the leading keys that fit (absent and distinct), RESERVED, ascending; how many.
+    i64 reserve(const u8* const* keys, i64 m, i64* out) {
+        i64 take = std::min(m, nfree_);
+        if (take == 0) return 0;
+        for (i64 i = 0; i < take; ++i) out[i] = free_[nfree_ - 1 - i];  // the stack's top is its smallest
+        std::sort(out, out + take);
+        insert_keys(keys, out, take, "insert");
+        nfree_ -= take;
+        for (i64 i = 0; i < take; ++i) state_[out[i]] = RESERVED;
+        n_reserved_ += take;
+        return take;
+    }
+
+    // Evicted slots (READY, in no list, unpinned) handed to new keys, RESERVED.
+    void reassign(const i64* s, i64 m, const u8* const* keys) {
+        expect(s, m, READY, "reassign");
+        for (i64 i = 0; i < m; ++i) {
+            if (pins_[s[i]]) fail(Err::Tier, name_ + ": cannot reassign pinned slots");
+            if (lists_.lid(s[i]) != NO_LIST) fail(Err::Tier, name_ + ": reassign of slot " + S(s[i]) + ", which was not evicted");
+        }
+        distinct(s, m, "reassign");
+        const int kb = keys_.key_bytes();
+        std::vector<u8> old(static_cast<size_t>(m) * kb);
+        for (i64 i = 0; i < m; ++i) {
+            std::memcpy(old.data() + i * kb, keys_.key_at(s[i]), kb);
+            keys_.remove(s[i]);
+        }
+        try {
+            insert_keys(keys, s, m, "insert");
+        } catch (...) {  // put the old keys back: nothing changes
+            for (i64 i = 0; i < m; ++i) {
+                const u8* k = old.data() + i * kb;
+                keys_.insert_h(k, keys_.hash(k), s[i]);
+            }
+            throw;
+        }
+        for (i64 i = 0; i < m; ++i) state_[s[i]] = RESERVED;
+        n_ready_ -= m;
+        n_reserved_ += m;
+    }
+
+    // The slots' bytes have landed: READY and tracked; the LAST slot ends most recent.
+    void commit(const i64* s, i64 m) {
+        if (!m) return;
+        expect(s, m, RESERVED, "commit");
+        distinct(s, m, "commit");
+        i64 pinned = 0;
+        for (i64 i = 0; i < m; ++i) {
+            state_[s[i]] = READY;
+            pinned += pins_[s[i]] != 0;
+        }
+        n_reserved_ -= m;
+        n_ready_ += m;
+        n_ready_pinned_ += pinned;
+        policy_.insert(s, m);
+    }
+
+    // RESERVED slots whose copy failed, was cancelled or never started: their keys go, the slots are free.
+    void abort(const i64* s, i64 m) {
+        if (!m) return;
+        expect(s, m, RESERVED, "abort");
+        for (i64 i = 0; i < m; ++i)
+            if (pins_[s[i]]) fail(Err::Tier, name_ + ": cannot abort pinned slots");
+        distinct(s, m, "abort");
+        for (i64 i = 0; i < m; ++i) {
+            keys_.remove(s[i]);
+            state_[s[i]] = FREE;
+        }
+        n_reserved_ -= m;
+        push_free(s, m);
+    }
+
+    // Forget READY, unpinned blocks (evicted, corrupt, replaced); their slots become free.
+    void drop(const i64* s, i64 m) {
+        if (!m) return;
+        expect(s, m, READY, "drop");
+        for (i64 i = 0; i < m; ++i)
+            if (pins_[s[i]]) fail(Err::Tier, name_ + ": cannot drop pinned slots");
+        distinct(s, m, "drop");
+        for (i64 i = 0; i < m; ++i) {
+            if (lists_.lid(s[i]) != NO_LIST) lists_.unlink(s[i]);
+            keys_.remove(s[i]);
+            state_[s[i]] = FREE;
+        }
+        n_ready_ -= m;
+        push_free(s, m);
+    }
+
+    // Exactly n unpinned READY victims (cold list first, then the policy), out of every list but still
+    // READY; or none. evicted_cold() says how many leading ones came from the cold list.
+    void evict(i64 n, std::vector<i64>& out) {
+        evicted_cold_ = 0;
+        out.clear();
+        if (n <= 0 || n > evictable()) return;
+        PinView pins{reinterpret_cast<const u8*>(pins_.data()), 2};
+        if (lists_.size(COLD)) {
+            lists_.candidates(COLD, n, pins, out);
+            for (i64 s : out) lists_.unlink(s);
+        }
+        i64 cold = static_cast<i64>(out.size());
+        if (cold == n) {
+            evicted_cold_ = n;
+            return;
+        }
+        if (!policy_.evict(n - cold, pins, victims_))
+            fail(Err::Tier, name_ + ": " + S(evictable()) + " evictable slots counted but fewer found");
+        out.insert(out.end(), victims_.begin(), victims_.end());
+        evicted_cold_ = cold;
+    }
+
+    // READY slots become the first eviction candidates (oldest first in array order); `loaded`: they
+    // were hits that moved up to a faster tier (the window remembers them). Cold ones stay where they are.
+    void demote(const i64* s, i64 m, bool loaded) {
+        std::vector<i64> keep;
+        keep.reserve(static_cast<size_t>(m));
+        for (i64 i = 0; i < m; ++i)
+            if (state_[s[i]] == READY && lists_.lid(s[i]) != COLD) keep.push_back(s[i]);
+        distinct(keep.data(), static_cast<i64>(keep.size()), "demote");
+        if (loaded) policy_.demote(keep.data(), static_cast<i64>(keep.size()));
+        else policy_.remove(keep.data(), static_cast<i64>(keep.size()));
+        for (i64 x : keep) lists_.push_back(COLD, x);
+    }
+
+    void pin(const i64* s, i64 m) {
+        for (i64 i = 0; i < m; ++i)
+            if (pins_[s[i]] == MAX_PINS) fail(Err::Tier, name_ + ": more than " + S(MAX_PINS) + " concurrent pins on one slot");
+        for (i64 i = 0; i < m; ++i) {
+            if (pins_[s[i]] == 0 && state_[s[i]] == READY) ++n_ready_pinned_;
+            ++pins_[s[i]];
+        }
+    }
+
+    void unpin(const i64* s, i64 m) {
+        for (i64 i = 0; i < m; ++i)
+            if (pins_[s[i]] == 0) fail(Err::Tier, name_ + ": unpin of a slot that is not pinned");
+        for (i64 i = 0; i < m; ++i) {
+            if (--pins_[s[i]] == 0 && state_[s[i]] == READY) --n_ready_pinned_;
+        }
+    }
+
+    // Record hits; the LAST slot ends most recent. Cold slots go back to the policy first (ascending).
+    void touch(const i64* s, i64 m) {
+        if (lists_.size(COLD)) {
+            std::vector<i64> cold;
+            for (i64 i = 0; i < m; ++i)
+                if (lists_.lid(s[i]) == COLD) cold.push_back(s[i]);
+            if (!cold.empty()) {
+                std::sort(cold.begin(), cold.end());
+                cold.erase(std::unique(cold.begin(), cold.end()), cold.end());
+                for (i64 x : cold) lists_.unlink(x);
+                policy_.insert(cold.data(), static_cast<i64>(cold.size()));
+            }
+        }
+        policy_.touch(s, m);
+    }
+
+    // Blocks recovered from persistent storage, oldest first, into an empty index.
+    void restore(const u8* const* keys, const i64* s, i64 m) {
+        if (n_ready_ || n_reserved_) fail(Err::Tier, name_ + ": restore needs an empty index");
+        for (i64 i = 0; i < m; ++i)
+            if (s[i] < 0 || s[i] >= n_) fail(Err::Tier, name_ + ": recovered slots are out of range or used twice");
+        {
+            std::vector<i64> sorted(s, s + m);
+            std::sort(sorted.begin(), sorted.end());
+            if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
+                fail(Err::Tier, name_ + ": recovered slots are out of range or used twice");
+        }
+        std::vector<i64> slots(s, s + m);
+        insert_keys(keys, slots.data(), m, "insert");
+        std::vector<u8> used(static_cast<size_t>(n_), 0);
+        for (i64 i = 0; i < m; ++i) {
+            state_[s[i]] = READY;
+            used[static_cast<size_t>(s[i])] = 1;
+        }
+        n_ready_ = m;
+        policy_.insert(s, m);
+        nfree_ = 0;
+        for (i64 x = n_ - 1; x >= 0; --x)
+            if (!used[static_cast<size_t>(x)]) free_[nfree_++] = static_cast<i32>(x);
+    }
+
+    // prepare_store for a tier with nothing below it (no spill), as one call: which keys are new
+    // (not READY, not in flight, not repeating an earlier key of the call), their reserved slots,
+    // then for the rest the victims' slots (cold list first), evicted while the call's own resident
+    // blocks and its prefix's are pinned, and reassigned to them in ascending order. `evicted` gets
+    // the victims' keys in eviction order; `counts` = {deduped, in_flight}.
+    void plan_store(const u8* const* keys, i64 n, const u8* const* prefix, i64 np, std::vector<i64>& new_idx,
+                    std::vector<i64>& slots, std::vector<u8>& evicted, i64 counts[2]) {
+        const int kb = keys_.key_bytes();
+        std::vector<i64> found(static_cast<size_t>(n));
+        std::vector<u8> resident(static_cast<size_t>(n), 0), repeated(static_cast<size_t>(n), 0);
+        i64 deduped = 0, in_flight = 0;
+        Seen seen(n);
+        new_idx.clear();
+        for (i64 i = 0; i < n; ++i) {
+            u64 h = keys_.hash(keys[i]);
+            i64 s = keys_.find_h(keys[i], h);
+            found[i] = s;
+            resident[i] = s >= 0 && state_[s] == READY;
+            bool pending = s >= 0 && state_[s] == RESERVED;
+            repeated[i] = seen.add(keys, i, h, kb);
+            deduped += resident[i] || repeated[i];
+            in_flight += pending && !repeated[i];
+            if (!(resident[i] || pending || repeated[i])) new_idx.push_back(i);
+        }
+        counts[0] = deduped;
+        counts[1] = in_flight;
+        i64 m = static_cast<i64>(new_idx.size());
+        std::vector<const u8*> fresh(static_cast<size_t>(m));
+        for (i64 j = 0; j < m; ++j) fresh[j] = keys[new_idx[j]];
+        slots.assign(static_cast<size_t>(std::min(m, nfree_)), 0);
+        i64 got = reserve(fresh.data(), m, slots.data());
+        slots.resize(static_cast<size_t>(got));
+        evicted.clear();
+        if (got == m) return;
+        std::vector<i64> held;  // the chain's resident blocks: never evicted for its own new ones
+        for (i64 i = 0; i < n; ++i)
+            if (resident[i]) held.push_back(found[i]);
+        for (i64 j = 0; j < np; ++j) {
+            i64 s = find_ready(prefix[j]);
+            if (s >= 0) held.push_back(s);
+        }
+        std::sort(held.begin(), held.end());
+        held.erase(std::unique(held.begin(), held.end()), held.end());
+        pin(held.data(), static_cast<i64>(held.size()));
+        try {
+            std::vector<i64> victims;
+            evict(std::min(m - got, evictable()), victims);
+            if (!victims.empty()) {
+                evicted.resize(victims.size() * static_cast<size_t>(kb));
+                for (size_t v = 0; v < victims.size(); ++v) std::memcpy(evicted.data() + v * kb, keys_.key_at(victims[v]), kb);
+                std::sort(victims.begin(), victims.end());
+                reassign(victims.data(), static_cast<i64>(victims.size()), fresh.data() + got);
+                slots.insert(slots.end(), victims.begin(), victims.end());
+            }
+        } catch (...) {
+            unpin(held.data(), static_cast<i64>(held.size()));
+            throw;
+        }
+        unpin(held.data(), static_cast<i64>(held.size()));
+    }
+
+    // The leading run of keys READY or in flight over this tier and `below` (may be null), stopping at
+    // the first miss; counts[0..1] = how many of the run are READY here / READY below.
+    i64 leading_run(const Tier* below, const u8* const* keys, i64 n, i64 counts[2]) const {
+        counts[0] = counts[1] = 0;
+        for (i64 i = 0; i < n; ++i) {
+            i64 s = keys_.find(keys[i]);
+            if (s >= 0) {  // READY or RESERVED here: a hit either way
+                counts[0] += state_[s] == READY;
+                continue;
+            }
+            if (below) {
+                i64 x = below->keys_.find(keys[i]);
+                if (x >= 0) {
+                    counts[1] += below->state_[x] == READY;
+                    continue;
+                }
+            }
+            return i;
+        }
+        return n;
+    }
+
+    // Raises unless every slot is accounted for exactly once.
+    void check() const {
+        std::vector<u8> is_free(static_cast<size_t>(n_), 0);
+        for (i64 i = 0; i < nfree_; ++i) {
+            i64 s = free_[i];
+            if (s < 0 || s >= n_ || is_free[s]) fail(Err::Tier, name_ + ": a slot is on the free list twice");
+            is_free[s] = 1;
+        }
+        i64 ready = 0, reserved = 0, pinned_ready = 0;
+        for (i64 s = 0; s < n_; ++s) {
+            u8 st = state_[s];
+            if (is_free[s] != (st == FREE)) fail(Err::Tier, name_ + ": free list and FREE states disagree");
+            if (st == FREE && pins_[s]) fail(Err::Tier, name_ + ": a FREE slot is pinned");
+            if (keys_.held(s) != (st != FREE)) fail(Err::Tier, name_ + ": a slot's key and its state disagree");
+            ready += st == READY;
+            reserved += st == RESERVED;
+            pinned_ready += st == READY && pins_[s];
+            if ((lists_.lid(s) != NO_LIST) != (st == READY))
+                fail(Err::Tier, name_ + ": READY slots and the policy + cold lists disagree");
+        }
+        if (ready != n_ready_ || reserved != n_reserved_) fail(Err::Tier, name_ + ": state counts drifted");
+        if (pinned_ready != n_ready_pinned_)
+            fail(Err::Tier, name_ + ": pinned READY count drifted (" + S(n_ready_pinned_) + " vs " + S(pinned_ready) + ")");
+        lists_.check();
+        policy_.ghosts().check();
+        keys_.check();
+    }
+
+private:
+    void expect(const i64* s, i64 m, u8 want, const char*) const {
+        for (i64 i = 0; i < m; ++i)
+            if (state_[s[i]] != want)
+                fail(Err::Tier, name_ + ": slot " + S(s[i]) + " is in state " + S(state_[s[i]]) + ", expected " + S(want));
+    }
+    void distinct(const i64* s, i64 m, const char* op) const {
+        if (m < 2) return;
+        std::vector<i64> sorted(s, s + m);
+        std::sort(sorted.begin(), sorted.end());
+        auto rep = std::adjacent_find(sorted.begin(), sorted.end());
+        if (rep != sorted.end()) fail(Err::Tier, std::string(op) + ": slot " + S(*rep) + " appears twice in one batch");
+    }
+    // Insert keys[i] at slots[i] (slots empty): every key absent and distinct, else nothing changes.
+    void insert_keys(const u8* const* keys, const i64* slots, i64 m, const char* op) {
+        i64 done = 0;
+        try {
+            for (; done < m; ++done) {
+                const u8* k = keys[done];
+                u64 h = keys_.hash(k);
+                i64 at = keys_.find_h(k, h);
+                if (at >= 0) {
+                    bool ours = std::find(slots, slots + done, at) != slots + done;
+                    fail(Err::Tier, std::string(op) + " of key " + keys_.hex(k) + " into slot " + S(slots[done]) +
+                                        (ours ? ": the batch names it twice" : ": the key is already in slot " + S(at)));
+                }
+                keys_.insert_h(k, h, slots[done]);
+            }
+        } catch (...) {
+            for (i64 i = 0; i < done; ++i) keys_.remove(slots[i]);
+            throw;
+        }
+    }
+    void push_free(const i64* s, i64 m) {
+        if (nfree_ + m > n_) fail(Err::Tier, name_ + ": more slots freed than exist");
+        std::vector<i64> sorted(s, s + m);
+        std::sort(sorted.begin(), sorted.end());  // pushed descending, so they pop ascending again
+        for (i64 i = m - 1; i >= 0; --i) free_[nfree_++] = static_cast<i32>(sorted[i]);
+    }
+
+    std::string name_;
+    i64 n_;
+    KeyTable keys_;
+    std::vector<u8> state_;
+    std::vector<u16> pins_;
+    std::vector<i32> free_;
+    i64 nfree_ = 0;
+    Lists lists_;
+    Policy policy_;
+    i64 n_reserved_ = 0, n_ready_ = 0, n_ready_pinned_ = 0, evicted_cold_ = 0;
+    std::vector<i64> victims_;
+};
+
+}  // namespace tkv

@@ -1,0 +1,113 @@
+"""Differential: one tier of the native core against the reference model, under random batch operations.
+
+A hypothesis state machine applies the same operation to both (reserve, reassign, commit, abort,
+drop, evict, demote, pin, unpin, touch, find) under each policy, requires the same answer or the
+same refusal, and after every step compares every observable: states, pins, counters, keys, the
+policy's order and lists, its ghosts and target, the cold list, and both sides' own invariants.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from reference_core.twins import both, same, same_tier, tier_pair
+
+KB = 16
+POOL = [hashlib.sha256(b"k%d" % i).digest()[:KB] for i in range(40)]
+EXAMPLES = int(os.environ.get("TIERED_KV_DIFF_EXAMPLES", "60"))
+
+
+class TierTwins(RuleBasedStateMachine):
+    @initialize(policy=st.sampled_from(["lru", "arc", "window"]), n=st.integers(1, 12))
+    def setup(self, policy: str, n: int) -> None:
+        self.ref, self.nat = tier_pair("t", n, KB, policy)
+        self.fresh = 0
+
+    def slots(self, state: int | None = None) -> list[int]:
+        st_ = self.ref.state
+        return [int(s) for s in np.flatnonzero(st_ == state)] if state is not None else list(range(len(st_)))
+
+    def do(self, call, where: str):
+        return both(self.ref, self.nat, call, where)
+
+    @rule(idx=st.lists(st.integers(0, len(POOL) - 1), max_size=8))
+    def reserve(self, idx: list[int]) -> None:
+        keys = [POOL[i] for i in idx]  # may repeat, may be present: both must refuse alike
+        self.do(lambda t: t.reserve(np.frombuffer(b"".join(keys), np.uint8).reshape(-1, KB) if keys else keys), "reserve")
+
+    @rule(data=st.data())
+    def commit(self, data) -> None:
+        s = data.draw(st.permutations(self.slots(1)))
+        k = data.draw(st.integers(0, len(s)))
+        self.do(lambda t: t.commit(np.array(s[:k], dtype=np.int64)), "commit")
+
+    @rule(data=st.data(), wrong=st.booleans())
+    def abort(self, data, wrong: bool) -> None:
+        pool = self.slots(2 if wrong else 1)  # wrong: READY slots, refused by both
+        s = data.draw(st.lists(st.sampled_from(pool), unique=True, max_size=4)) if pool else []
+        self.do(lambda t: t.abort(np.array(s, dtype=np.int64)), "abort")
+
+    @rule(data=st.data())
+    def drop(self, data) -> None:
+        pool = self.slots(2)
+        s = data.draw(st.lists(st.sampled_from(pool), unique=True, max_size=4)) if pool else []
+        self.do(lambda t: t.drop(np.array(s, dtype=np.int64)), "drop")
+
+    @rule(n=st.integers(0, 6), reuse=st.booleans())
+    def evict(self, n: int, reuse: bool) -> None:
+        _, victims = self.do(lambda t: t.evict(n), "evict")
+        same(self.ref.evicted_cold, self.nat.evicted_cold, "evicted_cold")
+        if not len(victims):
+            return
+        if reuse:  # victims go to new keys (eviction for a store), else they are dropped
+            keys = [hashlib.sha256(b"new%d" % (self.fresh + i)).digest()[:KB] for i in range(len(victims))]
+            self.fresh += len(victims)
+            self.do(lambda t: t.reassign(victims, keys), "reassign")
+        else:
+            self.do(lambda t: t.drop(victims), "drop victims")
+
+    @rule(data=st.data(), loaded=st.booleans())
+    def demote(self, data, loaded: bool) -> None:
+        pool = self.slots()
+        s = data.draw(st.lists(st.sampled_from(pool), unique=True, max_size=5))
+        self.do(lambda t: t.demote(np.array(s, dtype=np.int64), loaded=loaded), "demote")
+
+    @rule(data=st.data())
+    def pin(self, data) -> None:
+        pool = self.slots(2) + self.slots(1)  # what the manager pins: servable or arriving blocks
+        s = data.draw(st.lists(st.sampled_from(pool), unique=True, max_size=4)) if pool else []
+        self.do(lambda t: t.pin(np.array(s, dtype=np.int64)), "pin")
+
+    @rule(data=st.data())
+    def unpin(self, data) -> None:
+        held = [int(x) for x in np.flatnonzero(self.ref.pins)]
+        s = data.draw(st.lists(st.sampled_from(held or [0]), unique=True, max_size=4))
+        self.do(lambda t: t.unpin(np.array(s, dtype=np.int64)), "unpin")
+
+    @precondition(lambda self: self.ref.n_ready > 0)
+    @rule(data=st.data())
+    def touch(self, data) -> None:
+        s = data.draw(st.lists(st.sampled_from(self.slots(2)), max_size=6))  # repeats: the last one wins
+        self.do(lambda t: t.touch(np.array(s, dtype=np.int64)), "touch")
+
+    @rule(idx=st.lists(st.integers(0, len(POOL) - 1), max_size=10))
+    def find(self, idx: list[int]) -> None:
+        keys = [POOL[i] for i in idx]
+        self.do(lambda t: t.find_ready(keys) if keys else np.empty(0, np.int64), "find_ready")
+        if keys:
+            self.do(lambda t: t.find(keys), "find")
+
+    @invariant()
+    def agree(self) -> None:
+        if hasattr(self, "ref"):
+            same_tier(self.ref, self.nat)
+
+
+TestTierTwins = TierTwins.TestCase
+TestTierTwins.settings = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None,
+                                  suppress_health_check=[HealthCheck.too_slow])  # fmt: skip

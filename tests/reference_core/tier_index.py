@@ -1,0 +1,295 @@
+"""One tier's bookkeeping: key -> slot, slot states, pins, free slots and the eviction policy.
+
+Synchronous, loop-thread only, so it needs no locks. Every operation takes a
+batch (a numpy array of slots) and is vectorized: a tier of 64M blocks keeps
+no Python object per block, only fixed-size numpy rows (the key bytes in the
+KeyTable, a state byte, a pin count, the policy's arrays).
+
+States: FREE -> RESERVED (a copy into the slot is in flight) -> READY
+(servable, tracked by the policy or the cold list) -> FREE. A READY slot with pins > 0 is being
+read and is never evicted; an evicted slot leaves the policy at once and is
+either dropped or handed to a new key by ``reassign`` (its old bytes may still
+be read by a spill that the new key's copy waits for).
+
+The cold list holds READY blocks that are worth less than anything the policy
+orders: a copy that also lives in a faster tier (promoted, or loaded by an
+engine that stores it back on eviction), or the tail of a released session.
+It is evicted first, oldest first, and its victims are dropped, never spilled.
+A touch takes a block out of it again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from tiered_kv.errors import TieredKVError
+
+from .keytable import KeyTable
+from .policy import EvictionPolicy, LRUPolicy, make_policy
+
+FREE, RESERVED, READY = 0, 1, 2
+_MAX_PINS = np.iinfo(np.uint16).max
+EMPTY = np.empty(0, dtype=np.int64)
+
+
+class TierIndex:
+    """Slots of one tier; the eviction policy orders its READY, unpinned slots."""
+
+    def __init__(self, name: str, num_slots: int, key_bytes: int, policy: str | EvictionPolicy = "lru") -> None:
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
+            raise TieredKVError(f"tier {name!r} needs at least one slot, got {num_slots!r}")
+        self.name = name
+        self.num_slots = num_slots
+        self.keys = KeyTable(num_slots, key_bytes)
+        self.state = np.zeros(num_slots, dtype=np.uint8)
+        self.pins = np.zeros(num_slots, dtype=np.uint16)
+        # A stack popped from the end: fresh reservations come out ascending, so they form
+        # runs of consecutive slots that copy (and hit the disk) in one call.
+        self._free = np.arange(num_slots - 1, -1, -1, dtype=np.int64)
+        self._nfree = num_slots
+        self.n_reserved = 0
+        self.n_ready = 0
+        self.n_ready_pinned = 0  # READY slots with pins > 0 (not evictable)
+        self.policy = make_policy(policy, num_slots, key_tag=self.keys.key_tags) if isinstance(policy, str) else policy
+        self.cold = LRUPolicy(num_slots)
+        self.protect: Callable[[np.ndarray], np.ndarray] | None = None  # key rows -> protected (hints)
+        self.evicted_cold = 0  # how many of the last evict()'s victims (the leading ones) came from the cold list
+
+    # -- queries ----------------------------------------------------------------------
+    @property
+    def free_count(self) -> int:
+        return self._nfree
+
+    @property
+    def used(self) -> int:
+        return self.num_slots - self._nfree
+
+    @property
+    def evictable(self) -> int:
+        return self.n_ready - self.n_ready_pinned
+
+    def find(self, keys: Sequence[bytes]) -> np.ndarray:
+        """Slot of each key (READY or RESERVED), -1 if absent."""
+        return self.keys.find(keys)
+
+    def find_ready(self, keys: Sequence[bytes]) -> np.ndarray:
+        """Slot of each READY key, -1 otherwise."""
+        slots = self.keys.find(keys)
+        hit = slots >= 0
+        slots[hit & (self.state[np.where(hit, slots, 0)] != READY)] = -1
+        return slots
+
+    def resident(self) -> dict[bytes, int]:
+        """READY key -> slot, as a dict (O(n) Python objects: for tests and debugging only)."""
+        slots = np.flatnonzero(self.state == READY)
+        return dict(zip(self.keys.keys_of(slots), slots.tolist(), strict=True))
+
+    def nbytes(self) -> int:
+        parts = (self.keys, self.state, self.pins, self._free, self.policy, self.cold)
+        return sum(part.nbytes for part in parts)
+
+    # -- reserve -> commit | abort -----------------------------------------------------
+    def reserve(self, keys: Sequence[bytes] | np.ndarray) -> np.ndarray:
+        """Reserve free slots for the leading keys that fit (keys must be absent); ascending slots."""
+        n = min(len(keys), self._nfree)
+        if n == 0:
+            return EMPTY
+        slots = np.sort(self._free[self._nfree - n : self._nfree])
+        self.keys.insert(keys[:n], slots)  # raises before anything else changes if a key is present
+        self._nfree -= n
+        self.state[slots] = RESERVED
+        self.n_reserved += n
+        return slots
+
+    def reassign(self, slots: np.ndarray, keys: Sequence[bytes] | np.ndarray) -> None:
+        """Hand evicted slots (READY, out of the policy, unpinned) to new keys, RESERVED."""
+        self._expect(slots, READY)
+        if np.any(self.pins[slots]):
+            raise TieredKVError(f"{self.name}: cannot reassign pinned slots")
+        self.keys.remove(slots)
+        self.keys.insert(keys, slots)
+        self.state[slots] = RESERVED
+        self.n_ready -= len(slots)
+        self.n_reserved += len(slots)
+
+    def commit(self, slots: np.ndarray) -> None:
+        """The slots' bytes have landed: READY and tracked; the LAST slot ends most recent."""
+        if not len(slots):
+            return
+        self._expect(slots, RESERVED)
+        self.state[slots] = READY
+        self.n_reserved -= len(slots)
+        self.n_ready += len(slots)
+        self.n_ready_pinned += int(np.count_nonzero(self.pins[slots]))
+        self.policy.insert(slots)
+
+    def abort(self, slots: np.ndarray) -> None:
+        """Give back RESERVED slots whose copy failed, was cancelled, or never started."""
+        if not len(slots):
+            return
+        self._expect(slots, RESERVED)
+        if np.any(self.pins[slots]):
+            raise TieredKVError(f"{self.name}: cannot abort pinned slots")
+        self.keys.remove(slots)
+        self.state[slots] = FREE
+        self.n_reserved -= len(slots)
+        self._push_free(slots)
+
+    def drop(self, slots: np.ndarray) -> None:
+        """Forget READY, unpinned blocks (evicted, corrupt, or replaced); their slots become free."""
+        if not len(slots):
+            return
+        self._expect(slots, READY)
+        if np.any(self.pins[slots]):
+            raise TieredKVError(f"{self.name}: cannot drop pinned slots")
+        self.policy.remove(slots)  # a no-op for victims evict() already took out
+        self.cold.remove(slots)
+        self.keys.remove(slots)
+        self.state[slots] = FREE
+        self.n_ready -= len(slots)
+        self._push_free(slots)
+
+    def evict(self, n: int) -> np.ndarray:
+        """Exactly n unpinned READY victims, out of the policy but still READY; or none.
+
+        The caller drops or reassigns every victim before it returns to the loop
+        (they still count as READY and evictable until then).
+        """
+        self.evicted_cold = 0
+        if n <= 0 or n > self.evictable:
+            return EMPTY
+        cold = self.cold.evict_up_to(n, self.pins) if len(self.cold) else EMPTY
+        if len(cold) == n:
+            self.evicted_cold = n
+            return cold
+        victims = self.policy.evict(n - len(cold), self.pins)
+        if len(victims) != n - len(cold):  # the counts disagree with the lists: a bug, never silently
+            raise TieredKVError(f"{self.name}: {self.evictable} evictable slots counted but fewer found")
+        if self.protect is not None:
+            victims = self._second_chance(victims)
+        self.evicted_cold = len(cold)
+        return np.concatenate([cold, victims]) if len(cold) else victims
+
+    def _second_chance(self, victims: np.ndarray) -> np.ndarray:
+        """Victims of a protected session go back as most recent and others are taken instead,
+        for a few rounds; when there are no others, they go after all."""
+        for _ in range(3):
+            keep = self.protect(self.keys.slot_keys[victims])
+            if not keep.any():
+                break
+            kept = victims[keep]
+            self.policy.insert(kept)
+            more = self.policy.evict(len(kept), self.pins)
+            if len(more) != len(kept):  # cannot happen (kept are candidates again); never silently
+                raise TieredKVError(f"{self.name}: a second chance lost {len(kept) - len(more)} victims")
+            victims = np.concatenate([victims[~keep], more])
+        return victims
+
+    def demote(self, slots: np.ndarray, *, loaded: bool = False) -> None:
+        """Make READY slots the first eviction candidates (oldest first in array order).
+
+        ``loaded``: the blocks were hits that moved up to a faster tier; a policy with
+        a ``demote`` hook (the window's) remembers them as re-referenced.
+        """
+        slots = slots[self.state[slots] == READY] if len(slots) else slots
+        if not len(slots):
+            return
+        slots = slots[self.cold.stamp_of(slots) < 0]
+        (self.policy.demote if loaded else self.policy.remove)(slots)
+        self.cold.insert(slots)
+
+    # -- pins --------------------------------------------------------------------------
+    def pin(self, slots: np.ndarray) -> None:
+        """Protect slots from eviction while they are read; a batch holds distinct slots."""
+        if not len(slots):
+            return
+        pins = self.pins[slots]
+        if np.any(pins == _MAX_PINS):
+            raise TieredKVError(f"{self.name}: more than {_MAX_PINS} concurrent pins on one slot")
+        self.n_ready_pinned += int(np.count_nonzero((pins == 0) & (self.state[slots] == READY)))
+        self.pins[slots] = pins + 1
+
+    def unpin(self, slots: np.ndarray) -> None:
+        if not len(slots):
+            return
+        pins = self.pins[slots]
+        if np.any(pins == 0):
+            raise TieredKVError(f"{self.name}: unpin of a slot that is not pinned")
+        self.pins[slots] = pins - 1
+        self.n_ready_pinned -= int(np.count_nonzero((pins == 1) & (self.state[slots] == READY)))
+
+    def touch(self, slots: np.ndarray) -> None:
+        """Record hits; the LAST slot ends most recent. A cold slot goes back to the policy."""
+        if not len(slots):
+            return
+        if len(self.cold):
+            cold = slots[self.cold.stamp_of(slots) >= 0]
+            if len(cold):
+                cold = np.unique(cold)
+                self.cold.remove(cold)
+                self.policy.insert(cold)
+        self.policy.touch(slots)
+
+    # -- restore after restart ---------------------------------------------------------
+    def restore(self, keys: Sequence[bytes], slots: np.ndarray) -> None:
+        """Re-insert blocks recovered from persistent storage, oldest first, into an empty index."""
+        if self.n_ready or self.n_reserved:
+            raise TieredKVError(f"{self.name}: restore needs an empty index")
+        slots = np.asarray(slots, dtype=np.int64)
+        if len(slots) and (slots.min() < 0 or slots.max() >= self.num_slots or len(np.unique(slots)) != len(slots)):
+            raise TieredKVError(f"{self.name}: recovered slots are out of range or used twice")
+        self.keys.insert(keys, slots)
+        self.state[slots] = READY
+        self.n_ready = len(slots)
+        self.policy.insert(slots)
+        used = np.zeros(self.num_slots, dtype=bool)
+        used[slots] = True
+        free = np.flatnonzero(~used)[::-1]
+        self._nfree = len(free)
+        self._free[: self._nfree] = free
+
+    # -- internals ---------------------------------------------------------------------
+    def _expect(self, slots: np.ndarray, expected: int) -> None:
+        states = self.state[slots]
+        if np.any(states != expected):
+            bad = int(slots[np.argmax(states != expected)])
+            raise TieredKVError(
+                f"{self.name}: slot {bad} is in state {int(self.state[bad])}, expected {expected}"
+            )
+
+    def _push_free(self, slots: np.ndarray) -> None:
+        n = len(slots)
+        if self._nfree + n > len(self._free):
+            raise TieredKVError(f"{self.name}: more slots freed than exist")
+        # Pushed descending, so they pop ascending again.
+        self._free[self._nfree : self._nfree + n] = np.sort(slots)[::-1]
+        self._nfree += n
+
+    def check_invariants(self) -> None:
+        """Every slot accounted for exactly once (tests call this after stress)."""
+        free = self._free[: self._nfree]
+        if len(np.unique(free)) != len(free):
+            raise TieredKVError(f"{self.name}: a slot is on the free list twice")
+        is_free = np.zeros(self.num_slots, dtype=bool)
+        is_free[free] = True
+        st = self.state
+        if np.any(is_free != (st == FREE)):
+            raise TieredKVError(f"{self.name}: free list and FREE states disagree")
+        if np.any(self.pins[st == FREE]):
+            raise TieredKVError(f"{self.name}: a FREE slot is pinned")
+        holds = self.keys.has_key(np.arange(self.num_slots, dtype=np.int64))
+        if np.any(holds != (st != FREE)):
+            raise TieredKVError(f"{self.name}: a slot's key and its state disagree")
+        if int(np.count_nonzero(st == READY)) != self.n_ready or int(np.count_nonzero(st == RESERVED)) != self.n_reserved:
+            raise TieredKVError(f"{self.name}: state counts drifted")
+        pinned_ready = int(np.count_nonzero((st == READY) & (self.pins > 0)))
+        if pinned_ready != self.n_ready_pinned:
+            raise TieredKVError(f"{self.name}: pinned READY count drifted ({self.n_ready_pinned} vs {pinned_ready})")
+        tracked = np.zeros(self.num_slots, dtype=np.int64)
+        for order in (self.policy.order(), self.cold.order()):
+            tracked[np.asarray(order, dtype=np.int64)] += 1
+        if np.any(tracked != (st == READY)):
+            raise TieredKVError(f"{self.name}: READY slots and the policy + cold lists disagree")
+        self.keys.check_invariants()
