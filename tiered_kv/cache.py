@@ -55,10 +55,16 @@ class TieredKVCache(Moves, Lifecycle):
         rank: int = 0,
         world_size: int = 1,
         shard_id: str | None = None,
+        slabs_factory: Callable[[KVLayout, int], Any] | None = None,
+        engine_factory: Callable[[Any], Any] | None = None,
     ):
         self.config = cfg = load_config(config)
-        if not isinstance(layout, KVLayout) or not layout.is_bound:
+        if not isinstance(layout, KVLayout) or not (layout.is_bound or engine_factory is not None):
             raise LayoutError("TieredKVCache needs a layout bound to the KV tensors (KVLayout.from_tensors or bind)")
+        # Injected by a scheduler process (split/scheduler.py): its slab is the shared segment and its
+        # engine sends the copies to the workers; everything else is this same cache.
+        self._slabs_factory = slabs_factory or self._local_slabs
+        self._engine_factory = engine_factory
         check_capacities(cfg, layout.bytes_per_block)
         self.layout = layout
         self.metrics = metrics or CacheMetrics()
@@ -108,9 +114,11 @@ class TieredKVCache(Moves, Lifecycle):
         loop = asyncio.get_running_loop()
         # Allocating and pinning a large slab takes seconds: keep it off the loop.
         rows = self._slots["cpu"] + self._staging
-        self.slabs = await loop.run_in_executor(None, lambda: CpuSlabs(
-            self.layout, rows, pin=cfg.tiers.cpu.pin_memory, pin_chunk=cfg.tiers.cpu.pin_chunk))  # fmt: skip
-        self._engine = engine = make_engine(cfg.transfer.engine, list(self.layout.regions), self.slabs.regions)
+        self.slabs = await loop.run_in_executor(None, self._slabs_factory, self.layout, rows)
+        if self._engine_factory is not None:
+            self._engine = engine = self._engine_factory(self.slabs)
+        else:
+            self._engine = engine = make_engine(cfg.transfer.engine, list(self.layout.regions), self.slabs.regions)
         self.mover.register("gpu", "cpu", store_handler(engine))
         self.mover.register("cpu", "gpu", load_handler(engine))
         if self._disk_ns is not None:
@@ -130,6 +138,10 @@ class TieredKVCache(Moves, Lifecycle):
             self.mover.register("remote", "cpu", remote.read)
             self.manager.remote_known = remote.known
             self.manager.remote_write = cfg.tiers.remote.write
+
+    def _local_slabs(self, layout: KVLayout, rows: int) -> CpuSlabs:
+        cpu = self.config.tiers.cpu
+        return CpuSlabs(layout, rows, pin=cpu.pin_memory, pin_chunk=cpu.pin_chunk)
 
     def _disk_degraded(self) -> None:
         self.manager.disk_writable = False
