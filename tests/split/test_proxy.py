@@ -94,6 +94,21 @@ async def test_ids_are_checked_before_anything_is_queued():
     assert proxy.take_jobs() == []
 
 
+async def test_a_cancelled_request_never_sends_a_later_job():
+    """A store still waiting for room when its request was preempted submits after the cancel: it must fail."""
+    proxy = ProxyCopyEngine(1, num_blocks=8, num_slots=4)
+    assert proxy.cancel_request("r#1") == 0
+    with request_scope("r#1"):
+        late = proxy.submit_store([1], [1])
+    with pytest.raises(TransferError, match="cancelled request 'r#1' was never sent"):
+        await late
+    assert proxy.take_jobs() == [] and proxy.inflight == 0
+    proxy.forget_request("r#1")
+    with request_scope("r#1"):
+        proxy.submit_store([1], [1])
+    assert len(proxy.take_jobs()) == 1
+
+
 # -- through the scheduler-side cache --------------------------------------------------------------
 def keys_of(side, n, start=0):
     return side.keyer.keys_for_block_ids(range(start, start + n))

@@ -11,7 +11,8 @@ A sent job that some rank never reports fails after ``report_timeout_s`` (the st
 its slots freed, a load becomes a load error). That rank may still copy later: keep the timeout well
 above any real copy time; it is there so a dead rank cannot hang the cache, not as flow control.
 A job not yet sent can be cancelled per request (``cancel_request``): it resolves failed at once, so
-the cache aborts it cleanly.
+the cache aborts it cleanly, and so does every later job of that request (a store still waiting for
+room when its request was preempted must never copy the blocks vLLM has since handed to another).
 
 ``take_jobs``, ``report``, ``cancel_request``, ``unfinished`` and ``expire`` are thread-safe (vLLM calls
 its scheduler-side connector from the engine's thread); futures are resolved on the cache's loop.
@@ -25,6 +26,7 @@ import contextvars
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -35,6 +37,7 @@ from ..transfer.base import CopyHandle, Direction, check_id_arrays
 from .jobs import LOAD, STORE, ShardJob
 
 log = logging.getLogger(__name__)
+CANCELLED_TAGS = 1 << 16  # cancelled request tags remembered (oldest forgotten first)
 _REQUEST: contextvars.ContextVar[str | None] = contextvars.ContextVar("tiered_kv_request", default=None)
 
 
@@ -78,6 +81,7 @@ class ProxyCopyEngine:
         self._queued: dict[int, _Entry] = {}  # insertion order = submission order
         self._sent: dict[int, _Entry] = {}
         self._next_id = 1
+        self._cancelled: OrderedDict[str, None] = OrderedDict()
         self._closed = False
         self._close_task: asyncio.Future[None] | None = None
 
@@ -97,11 +101,17 @@ class ProxyCopyEngine:
             raise TransferError(f"submit_{direction} on a closed ProxyCopyEngine")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
+        req_id = _REQUEST.get()
         with self._lock:
-            job = ShardJob(self._next_id, direction, gpu_ids, cpu_slots, _REQUEST.get())
+            job = ShardJob(self._next_id, direction, gpu_ids, cpu_slots, req_id)
             self._next_id += 1
-            self._queued[job.job_id] = _Entry(job, future, loop)
-        if self._on_job is not None:
+            cancelled = req_id is not None and req_id in self._cancelled
+            if not cancelled:
+                self._queued[job.job_id] = _Entry(job, future, loop)
+        if cancelled:
+            future.set_exception(TransferError(f"job {job.job_id} ({direction} of {len(job)} blocks) of "
+                                               f"cancelled request {req_id!r} was never sent"))  # fmt: skip
+        elif self._on_job is not None:
             self._on_job()
         kind = Direction.STORE if direction == STORE else Direction.LOAD
         return CopyHandle(future, len(gpu_ids) * self.bytes_per_block, kind)
@@ -158,8 +168,13 @@ class ProxyCopyEngine:
             _settle(e, why)
 
     def cancel_request(self, req_id: str) -> int:
-        """Fail the request's jobs not yet sent (the cache aborts them); sent jobs finish normally."""
+        """Fail the request's jobs not yet sent, and any it submits later (the cache aborts them);
+        sent jobs finish normally. Returns how many queued jobs it failed."""
         with self._lock:
+            self._cancelled[req_id] = None
+            self._cancelled.move_to_end(req_id)
+            while len(self._cancelled) > CANCELLED_TAGS:
+                self._cancelled.popitem(last=False)
             gone = [e for e in self._queued.values() if e.job.req_id == req_id]
             for e in gone:
                 del self._queued[e.job.job_id]
@@ -167,6 +182,11 @@ class ProxyCopyEngine:
             _settle(e, f"job {e.job.job_id} ({e.job.direction} of {len(e.job)} blocks) was cancelled before it "
                        f"was sent: request {req_id!r} was preempted or finished")  # fmt: skip
         return len(gone)
+
+    def forget_request(self, req_id: str) -> None:
+        """Drop a cancelled tag (its request is gone for good, e.g. at ``request_finished``)."""
+        with self._lock:
+            self._cancelled.pop(req_id, None)
 
     def unfinished(self, req_id: str) -> int:
         """Jobs of the request queued or sent and not yet resolved (e.g. for delayed freeing)."""

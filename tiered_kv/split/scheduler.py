@@ -13,11 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..cache import TieredKVCache
+from ..capacity import cpu_rows
 from ..config import Config, load_config
 from ..errors import LayoutError
 from ..keys import BlockKeyer
 from ..layout import KVLayout
-from ..tiers.shared_cpu import SegmentInfo, SharedCpuSlabs, SharedSegment
+from ..tiers.shared_cpu import SegmentInfo, SharedSegment
+from ..tiers.shared_slabs import SharedCpuSlabs
 from .proxy import ProxyCopyEngine
 
 
@@ -33,6 +35,16 @@ def group_layout(shard_layout: KVLayout, world_size: int) -> KVLayout:
 def group_shard_id(world_size: int) -> str:
     """The key and disk namespace's shard name for a whole TP group of ``world_size`` ranks."""
     return f"tp-group-of{world_size}"
+
+
+def segment_info_for(config: Config | str | dict | None, shard_layout: KVLayout, *, world_size: int,
+                     engine_id: str) -> SegmentInfo:  # fmt: skip
+    """The segment an engine's scheduler and every rank open: each side computes it from its own
+    numbers (a worker from its bound tensors), so whoever opens second checks the first one's."""
+    cfg = load_config(config)
+    rows = cpu_rows(cfg, group_layout(shard_layout, world_size))  # exactly the scheduler cache's slab rows
+    return SegmentInfo.for_engine(cfg.tiers.cpu.shared_path, engine_id, world_size=world_size,
+                                  shard_bytes=shard_layout.bytes_per_block, num_slots=rows)  # fmt: skip
 
 
 @dataclass
@@ -64,17 +76,17 @@ async def open_scheduler_cache(
     """Build and start the scheduler's cache (call on its loop).
 
     ``shard_layout`` is one rank's layout as the scheduler sees it (from vLLM's kv_cache_config: logical
-    sizes and num_blocks; unbound). The segment ``<tiers.cpu.shared_path>/tkv-<engine_id>.kv`` is created
-    here (dead ones reclaimed first) and removed by ``aclose``.
+    sizes and num_blocks; unbound). The segment ``<tiers.cpu.shared_path>/tkv-<engine_id>.kv`` is opened
+    here (created unless a worker made it first: see ``segment_info_for``); the last process out removes it.
     """
     cfg = load_config(config)
     layout = group_layout(shard_layout, world_size)
-    shard_bytes = shard_layout.bytes_per_block
+    info = segment_info_for(cfg, shard_layout, world_size=world_size, engine_id=engine_id)
 
     def slabs(layout: KVLayout, rows: int) -> SharedCpuSlabs:
-        seg = SharedSegment.create(cfg.tiers.cpu.shared_path, engine_id, world_size=world_size,
-                                   shard_bytes=shard_bytes, num_slots=rows,
-                                   layout_digest=shard_layout.digest)  # fmt: skip
+        if rows != info.num_slots:  # the cache and segment_info_for size the slab with one function
+            raise LayoutError(f"the cache wants {rows} CPU rows but the segment was sized for {info.num_slots}")
+        seg = SharedSegment.open(info, scheduler=True)
         try:
             return SharedCpuSlabs(seg, layout.region_block_bytes)
         except BaseException:

@@ -55,14 +55,20 @@ class ShardCopier:
         self._pending = 0
         self._ok: list[int] = []
         self._failed: list[int] = []
+        self._running: set[int] = set()  # submitted and not finished (for ``wait``)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"tiered-kv-copier-{rank}", daemon=True)
         self._thread.start()
         self._closed = False
 
     # -- setup ------------------------------------------------------------------------------
-    def attach(self, info: SegmentInfo) -> None:
-        """Map the scheduler's segment (idempotent for the same one) and build the copy engine over it."""
+    def open(self, info: SegmentInfo) -> None:
+        """Create or attach to the engine's segment (idempotent for the same one) and build the copy engine.
+
+        ``info`` is computed from this rank's own numbers (split.scheduler.segment_info_for with its bound
+        layout), so a segment another rank or the scheduler made for other per-rank bytes per block is
+        refused with both numbers (LayoutError).
+        """
         if self.segment is not None:
             if self.segment.info == info:
                 return
@@ -71,7 +77,10 @@ class ShardCopier:
         if info.world_size != self.world_size:
             raise LayoutError(f"the scheduler's segment is for world_size {info.world_size} but this worker is "
                               f"rank {self.rank} of {self.world_size}")  # fmt: skip
-        seg = SharedSegment.attach(info, rank=self.rank, shard_bytes=self.layout.bytes_per_block)
+        if info.shard_bytes != self.layout.bytes_per_block:
+            raise LayoutError(f"TP rank {self.rank}: its KV tensors give {self.layout.bytes_per_block} bytes per block "
+                              f"but the segment info says {info.shard_bytes}")  # fmt: skip
+        seg = SharedSegment.open(info)
         try:
             import torch
 
@@ -86,6 +95,8 @@ class ShardCopier:
             seg.close()
             raise
         self.segment = seg
+
+    attach = open
 
     async def _build(self, gpu: list, cpu: list, seg: SharedSegment) -> CopyEngine:
         if self.kind == "host":
@@ -105,6 +116,7 @@ class ShardCopier:
         ready = _compute_event() if self.kind == "cuda" else None
         with self._lock:
             self._pending += len(jobs)
+            self._running.update(j.job_id for j in jobs)
         self._loop.call_soon_threadsafe(self._issue, list(jobs), ready)
 
     def poll(self) -> tuple[list[int], list[int]]:
@@ -119,6 +131,14 @@ class ShardCopier:
         """Jobs submitted whose copy has not finished."""
         with self._lock:
             return self._pending
+
+    def wait(self, job_ids: Sequence[int], timeout_s: float | None = None) -> None:
+        """Block until these jobs have finished on this rank (a fence: e.g. before preempted blocks are reused).
+        Their outcome still comes from ``poll``."""
+        with self._lock:
+            if not self._lock.wait_for(lambda: self._running.isdisjoint(job_ids), timeout_s):
+                raise TransferError(f"rank {self.rank}: jobs {sorted(self._running.intersection(job_ids))} still "
+                                    f"copying after {timeout_s} s")  # fmt: skip
 
     def drain(self, timeout_s: float | None = None) -> tuple[list[int], list[int]]:
         """Wait until every submitted job has finished (a flush fence), then ``poll``."""
@@ -166,6 +186,7 @@ class ShardCopier:
         with self._lock:
             (self._ok if ok else self._failed).append(job_id)
             self._pending -= 1
+            self._running.discard(job_id)
             self._lock.notify_all()
 
     def _run(self, coro: Any) -> Any:

@@ -40,20 +40,29 @@ PREFIX, SUFFIX = "tkv-", ".kv"
 SETTING = "tiers.cpu.shared_path"
 HEADER_BYTES = 4096  # one page: the rows start page-aligned
 MAGIC, VERSION, READY = b"TKVSHM\x00\x01", 1, 0x52454459
-# magic, version, world_size, shard_bytes, num_slots, layout digest (ascii, padded), ready
-_HEADER = struct.Struct("<8sIIQQ32sI")
+# magic, version, world_size, shard_bytes, num_slots, scheduler pid, ready
+_HEADER = struct.Struct("<8sIIQQII")
+_PID_AT, _READY_AT = _HEADER.size - 8, _HEADER.size - 4
 _WHAT = "shared CPU tier segment"
 
 
 @dataclass(frozen=True)
 class SegmentInfo:
-    """What a worker needs to attach (the scheduler sends it in the connector metadata)."""
+    """A segment's path and geometry. The scheduler and each worker compute it from the same inputs
+    (split.scheduler.segment_info_for); whoever opens second checks it against the header."""
 
     path: str
     world_size: int
     shard_bytes: int
     num_slots: int
-    layout_digest: str = ""
+
+    @classmethod
+    def for_engine(cls, directory: str, engine_id: str, *, world_size: int, shard_bytes: int,
+                   num_slots: int) -> SegmentInfo:  # fmt: skip
+        for what, value in (("world_size", world_size), ("shard_bytes", shard_bytes), ("num_slots", num_slots)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"shared CPU tier: {what} must be an int >= 1, got {value!r}")
+        return cls(os.path.join(directory, segment_name(engine_id)), world_size, shard_bytes, num_slots)
 
     @property
     def row_bytes(self) -> int:
@@ -72,87 +81,87 @@ def segment_name(name: str) -> str:
 
 
 class SharedSegment:
-    """A mapped segment. Build with ``create`` (the scheduler) or ``attach`` (a worker)."""
+    """A mapped segment; build it with ``open`` (create or attach)."""
 
-    def __init__(self, info: SegmentInfo, fd: int, *, owner: bool) -> None:
+    def __init__(self, info: SegmentInfo, lock_fd: int, map_fd: int) -> None:
         self.info = info
-        self._fd = fd
-        self._owner = owner
-        self._ino = os.fstat(fd).st_ino
-        self._map: mmap.mmap | None = mmap.mmap(fd, info.file_bytes, mmap.MAP_SHARED,
+        # Two opens of the file: the flock lives on ``lock_fd`` alone, so closing it ends our liveness
+        # claim even while numpy/torch views keep the mapping (which holds a dup of ``map_fd``) alive.
+        self._fd = lock_fd
+        self._ino = os.fstat(lock_fd).st_ino
+        self._claimed = False
+        self._map: mmap.mmap | None = mmap.mmap(map_fd, info.file_bytes, mmap.MAP_SHARED,
                                                 mmap.PROT_READ | mmap.PROT_WRITE)  # fmt: skip
         self.rows = np.frombuffer(self._map, dtype=np.uint8, count=info.num_slots * info.row_bytes,
                                   offset=HEADER_BYTES).reshape(info.num_slots, info.row_bytes)  # fmt: skip
 
-    # -- construction -------------------------------------------------------------------
     @classmethod
-    def create(cls, directory: str, name: str, *, world_size: int, shard_bytes: int, num_slots: int,
-               layout_digest: str = "") -> SharedSegment:  # fmt: skip
-        """Create this engine's segment in ``directory`` (reclaiming dead ones first); ConfigError if short of room."""
-        for what, value, low in (("world_size", world_size, 1), ("shard_bytes", shard_bytes, 1),
-                                 ("num_slots", num_slots, 1)):  # fmt: skip
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"shared CPU tier: {what} must be an int >= {low}, got {value!r}")
-        if len(layout_digest.encode()) > 32:
-            raise ConfigError(f"shared CPU tier: layout digest {layout_digest!r} is longer than 32 bytes")
-        fname = segment_name(name)
-        info = SegmentInfo(os.path.join(directory, fname), world_size, shard_bytes, num_slots, layout_digest)
-        dfd = _open_dir(directory)
-        try:
-            with _DirLock(dfd, directory):
-                reclaim_dead(directory, dir_fd=dfd)
-                _refuse_existing(fname, dfd, info.path)
-                _preflight(dfd, directory, info.file_bytes)
-                fd = open_regular(fname, os.O_RDWR | os.O_CREAT | os.O_EXCL, dir_fd=dfd, path=info.path,
-                                  what=_WHAT, setting=SETTING)  # fmt: skip
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_SH)  # alive from here on
-                    os.fchmod(fd, 0o600)  # O_CREAT's mode went through the umask
-                    _reserve(fd, info, directory)
-                    seg = cls(info, fd, owner=True)
-                    seg._write_header()
-                except BaseException:
-                    os.close(fd)
-                    os.unlink(fname, dir_fd=dfd)
-                    raise
-        finally:
-            os.close(dfd)
-        return seg
+    def open(cls, info: SegmentInfo, *, scheduler: bool = False, create: bool = True) -> SharedSegment:
+        """Attach to the segment, or create it (reclaiming dead ones first) when it does not exist.
 
-    @classmethod
-    def attach(cls, info: SegmentInfo, *, rank: int, shard_bytes: int) -> SharedSegment:
-        """Map an existing segment as TP rank ``rank``; LayoutError when its numbers differ from ours."""
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < info.world_size:
-            raise LayoutError(f"rank {rank!r} is outside the segment's TP group of world_size {info.world_size}")
-        if shard_bytes != info.shard_bytes:
-            raise LayoutError(_shard_mismatch(rank, shard_bytes, info.shard_bytes, info.path))
+        An existing one must be ours, 0600, one link, and hold exactly ``info``'s geometry (LayoutError
+        naming both numbers otherwise). ``scheduler``: claim it for this process; a second live
+        scheduler on one segment (two engines sharing an engine id) is a ConfigError.
+        """
         directory, fname = os.path.split(info.path)
         dfd = _open_dir(directory)
         try:
-            try:
-                fd = open_regular(fname, os.O_RDWR, dir_fd=dfd, path=info.path, what=_WHAT, setting=SETTING)
-            except FileNotFoundError:
-                raise LayoutError(f"the shared CPU tier segment {info.path} does not exist (has its engine "
-                                  f"exited?)") from None  # fmt: skip
+            with _DirLock(dfd, directory):
+                _reclaim(dfd, directory)
+                created = False
+                try:
+                    fd = _open_file(fname, dfd, info.path, os.O_RDWR)
+                except FileNotFoundError:
+                    if not create:
+                        raise LayoutError(f"the shared CPU tier segment {info.path} does not exist (has its "
+                                          f"engine exited?)") from None  # fmt: skip
+                    _preflight(dfd, directory, info.file_bytes)
+                    fd = _open_file(fname, dfd, info.path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+                    created = True
+                return cls._map_locked(info, fd, dfd, fname, created, scheduler)
         finally:
             os.close(dfd)
+
+    @classmethod
+    def _map_locked(cls, info: SegmentInfo, fd: int, dfd: int, fname: str, created: bool,
+                    scheduler: bool) -> SharedSegment:  # fmt: skip
+        seg = None
         try:
-            _check_private(os.fstat(fd), info.path)
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            _check_header(os.pread(fd, _HEADER.size, 0), info, rank, shard_bytes)
-            if os.fstat(fd).st_size < info.file_bytes:
-                raise LayoutError(f"{info.path} holds {os.fstat(fd).st_size} bytes, less than the "
-                                  f"{info.file_bytes} its header describes")  # fmt: skip
-            return cls(info, fd, owner=False)
+            if created:
+                os.fchmod(fd, 0o600)  # O_CREAT's mode went through the umask
+            else:
+                _check_private(os.fstat(fd), info.path)
+            fcntl.flock(fd, fcntl.LOCK_SH)  # alive from here on
+            if created:
+                _reserve(fd, info, os.path.dirname(info.path))
+            else:
+                _check_header(os.pread(fd, _HEADER.size, 0), info)
+                if os.fstat(fd).st_size < info.file_bytes:
+                    raise LayoutError(f"{info.path} holds {os.fstat(fd).st_size} bytes, less than the "
+                                      f"{info.file_bytes} its header describes")  # fmt: skip
+            map_fd = _open_file(fname, dfd, info.path, os.O_RDWR)
+            try:
+                seg = cls(info, fd, map_fd)
+            finally:
+                os.close(map_fd)
+            if created:
+                seg._write_header()
+            if scheduler:
+                seg._claim()
+            return seg
         except BaseException:
+            if seg is not None:
+                seg._fd = -1
             os.close(fd)
+            if created:
+                os.unlink(fname, dir_fd=dfd)
             raise
 
     # -- views ----------------------------------------------------------------------------
     def shard(self, rank: int) -> np.ndarray:
         """Rank ``rank``'s bytes of every slot: ``uint8[num_slots, shard_bytes]``, rows strided by the row size."""
-        if not 0 <= rank < self.info.world_size:
-            raise LayoutError(f"rank {rank} is outside [0, {self.info.world_size})")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.info.world_size:
+            raise LayoutError(f"rank {rank!r} is outside the segment's TP group of world_size {self.info.world_size}")
         b = self.info.shard_bytes
         return self.rows[:, rank * b : (rank + 1) * b]
 
@@ -161,117 +170,110 @@ class SharedSegment:
         return self._fd < 0
 
     def close(self) -> None:
-        """Creator: unlink, then unlock and unmap; attacher: unlock and unmap. Idempotent.
+        """Detach; the last process out removes the file. Idempotent.
 
-        The mapping goes once no view of it is left (numpy or torch views keep it alive); until then
-        the mapping's own duplicate of the fd keeps our LOCK_SH too, so a reclaim never removes it.
+        The mapping itself goes once no numpy or torch view of it is left.
         """
         if self._fd < 0:
             return
-        if self._owner:
-            _unlink_if_same(self.info.path, self._ino)
         fd, self._fd = self._fd, -1
-        os.close(fd)  # releases our LOCK_SH
-        self.rows = np.zeros((0, self.info.row_bytes), dtype=np.uint8)
-        mapping, self._map = self._map, None
+        directory, fname = os.path.split(self.info.path)
         try:
-            mapping.close()
-        except BufferError:  # views still exported: the mapping is unmapped when the last one goes
-            pass
+            dfd = _open_dir(directory)
+        except (ConfigError, DiskError) as exc:
+            log.warning("shared CPU tier: cannot reopen %s to remove %s: %s", directory, fname, exc)
+            dfd = -1
+        try:
+            if dfd >= 0:
+                with _DirLock(dfd, directory):
+                    if self._claimed:
+                        self._write_u32(_PID_AT, 0)
+                    try:  # nobody else holds it (attaches run under the same dir lock): we are the last
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        _unlink_if_same(fname, dfd, self._ino, self.info.path)
+                    except BlockingIOError:
+                        pass
+                    finally:
+                        os.close(fd)
+            else:
+                os.close(fd)
+        finally:
+            if dfd >= 0:
+                os.close(dfd)
+            self.rows = np.zeros((0, self.info.row_bytes), dtype=np.uint8)
+            mapping, self._map = self._map, None
+            try:
+                mapping.close()
+            except BufferError:  # views still exported: unmapped when the last one goes
+                pass
 
+    # -- header -----------------------------------------------------------------------------
     def _write_header(self) -> None:
         i = self.info
-        head = _HEADER.pack(MAGIC, VERSION, i.world_size, i.shard_bytes, i.num_slots,
-                            i.layout_digest.encode(), 0)  # fmt: skip
+        head = _HEADER.pack(MAGIC, VERSION, i.world_size, i.shard_bytes, i.num_slots, 0, 0)
         self._map[: len(head)] = head
-        # ready last: an attacher that reads it set sees the whole header
-        self._map[_HEADER.size - 4 : _HEADER.size] = struct.pack("<I", READY)
+        self._write_u32(_READY_AT, READY)  # last: an attacher that sees it sees the whole header
+
+    def _claim(self) -> None:
+        """Record this process as the segment's scheduler, unless another live one is (called under the dir lock)."""
+        pid = struct.unpack_from("<I", self._map, _PID_AT)[0]
+        if pid and pid != os.getpid() and _alive(pid):
+            raise ConfigError(f"{SETTING}: {self.info.path} is in use by a live engine (scheduler pid {pid}); "
+                              f"give each engine its own engine id, or stop the other one")  # fmt: skip
+        self._write_u32(_PID_AT, os.getpid())
+        self._claimed = True
+
+    def _write_u32(self, at: int, value: int) -> None:
+        struct.pack_into("<I", self._map, at, value)
 
     def __repr__(self) -> str:
         i = self.info
         return f"SharedSegment({i.path!r}, world_size={i.world_size}, shard_bytes={i.shard_bytes}, slots={i.num_slots})"
 
 
-class SharedCpuSlabs:
-    """The segment's rows as the CPU tier's slab: a drop-in for ``tiers.cpu.CpuSlabs`` (disk, remote, restage).
-
-    ``regions[r]`` are column views of the group layout's regions over whole rows (rank-major).
-    The segment is the caller's: ``release`` drops the views, ``close`` also closes the segment.
-    """
-
-    pinned = False  # the scheduler's rows are only touched by its own disk and remote I/O
-
-    def __init__(self, segment: SharedSegment, region_block_bytes: tuple[int, ...] | list[int]) -> None:
-        import torch
-
-        info = segment.info
-        if sum(region_block_bytes) != info.row_bytes:
-            raise LayoutError(f"the layout gives {sum(region_block_bytes)} bytes per block but the segment's rows "
-                              f"are {info.world_size} x {info.shard_bytes} = {info.row_bytes} bytes")  # fmt: skip
-        self.segment = segment
-        self.num_slots = info.num_slots
-        self.bytes_per_block = info.row_bytes
-        self.nbytes = info.num_slots * info.row_bytes
-        self.slab_np = segment.rows
-        self.slab = torch.from_numpy(segment.rows)
-        self.offsets: list[int] = []
-        self.regions: list = []
-        offset = 0
-        for block_bytes in region_block_bytes:
-            self.offsets.append(offset)
-            self.regions.append(self.slab[:, offset : offset + block_bytes])
-            offset += block_bytes
-
-    def rows(self, first: int, count: int) -> memoryview:
-        """Slots ``first .. first + count - 1`` as one writable buffer (for vectored I/O)."""
-        return memoryview(self.slab_np[first : first + count]).cast("B")
-
-    def release(self) -> None:
-        """Drop the views and close the segment (the creator removes its file). Idempotent."""
-        self.regions = []
-        self.slab = self.slab_np = None
-        self.segment.close()
-
-
-def reclaim_dead(directory: str, *, dir_fd: int | None = None) -> list[str]:
+def reclaim_dead(directory: str) -> list[str]:
     """Unlink our segments in ``directory`` that no live process holds; returns their names.
 
     Only regular files named like ours, owned by our euid, mode 0600 and with one link are touched;
     a segment is never read, only removed: its engine died and its rows are not trusted.
     """
-    own = dir_fd is None
-    dfd = _open_dir(directory) if own else dir_fd
-    reclaimed: list[str] = []
+    dfd = _open_dir(directory)
     try:
-        for entry in os.scandir(dfd):
-            if not (entry.name.startswith(PREFIX) and entry.name.endswith(SUFFIX)):
-                continue
-            try:
-                st = entry.stat(follow_symlinks=False)
-                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1 or \
-                        stat.S_IMODE(st.st_mode) != 0o600:  # fmt: skip
-                    continue
-                fd = os.open(entry.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
-            except OSError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue  # a live engine (or one of its workers) holds it
-            try:
-                if os.fstat(fd).st_ino == os.stat(entry.name, dir_fd=dfd, follow_symlinks=False).st_ino:
-                    os.unlink(entry.name, dir_fd=dfd)
-                    reclaimed.append(entry.name)
-                    log.warning("shared CPU tier: reclaimed %s left by an engine that is gone (its blocks "
-                                "are not read)", os.path.join(directory, entry.name))  # fmt: skip
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
+        with _DirLock(dfd, directory):
+            return _reclaim(dfd, directory)
     finally:
-        if own:
-            os.close(dfd)
+        os.close(dfd)
+
+
+def _reclaim(dfd: int, directory: str) -> list[str]:
+    """``reclaim_dead`` with the directory lock held (a creator is never caught before its LOCK_SH)."""
+    reclaimed: list[str] = []
+    for entry in os.scandir(dfd):
+        if not (entry.name.startswith(PREFIX) and entry.name.endswith(SUFFIX)):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1 or \
+                    stat.S_IMODE(st.st_mode) != 0o600:  # fmt: skip
+                continue
+            fd = os.open(entry.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue  # a live engine (or one of its workers) holds it
+        try:
+            if os.fstat(fd).st_ino == os.stat(entry.name, dir_fd=dfd, follow_symlinks=False).st_ino:
+                os.unlink(entry.name, dir_fd=dfd)
+                reclaimed.append(entry.name)
+                log.warning("shared CPU tier: reclaimed %s left by an engine that is gone (its blocks "
+                            "are not read)", os.path.join(directory, entry.name))  # fmt: skip
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
     return reclaimed
 
 
@@ -317,18 +319,18 @@ def _check_private(st: os.stat_result, path: str) -> None:
                         f"elsewhere", path)  # fmt: skip
 
 
-def _refuse_existing(fname: str, dfd: int, path: str) -> None:
-    """A segment of our name that survived the reclaim is foreign, too open, or alive: refuse it."""
+def _open_file(fname: str, dfd: int, path: str, flags: int) -> int:
+    return open_regular(fname, flags, dir_fd=dfd, path=path, what=_WHAT, setting=SETTING)
+
+
+def _alive(pid: int) -> bool:
     try:
-        fd = open_regular(fname, os.O_RDONLY, dir_fd=dfd, path=path, what=_WHAT, setting=SETTING)
-    except FileNotFoundError:
-        return
-    try:
-        _check_private(os.fstat(fd), path)
-        raise ConfigError(f"{SETTING}: {path} is in use by a live engine instance of the same name; give each "
-                          f"engine its own name (vLLM's engine_id) or stop the other one")  # fmt: skip
-    finally:
-        os.close(fd)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _preflight(dfd: int, directory: str, nbytes: int) -> None:
@@ -356,35 +358,29 @@ def _reserve(fd: int, info: SegmentInfo, directory: str) -> None:
                           f"(--shm-size) or point {SETTING} elsewhere") from None  # fmt: skip
 
 
-def _shard_mismatch(rank: int, ours: int, theirs: int, path: str) -> str:
-    return (f"TP rank {rank}: this worker's KV tensors give {ours} bytes per block per rank but the scheduler "
-            f"planned {theirs} (segment {path}); the worker and the scheduler must derive bytes per block from "
-            f"the same logical sizes")  # fmt: skip
-
-
-def _check_header(raw: bytes, info: SegmentInfo, rank: int, shard_bytes: int) -> None:
+def _check_header(raw: bytes, info: SegmentInfo) -> None:
     if len(raw) < _HEADER.size:
         raise LayoutError(f"{info.path}: header is {len(raw)} bytes, not a tiered_kv shared segment")
-    magic, version, world, shard, slots, digest, ready = _HEADER.unpack(raw)
+    magic, version, world, shard, slots, _pid, ready = _HEADER.unpack(raw)
     if magic != MAGIC or version != VERSION:
         raise LayoutError(f"{info.path} is not a tiered_kv shared segment of version {VERSION} "
                           f"(magic {magic!r}, version {version})")  # fmt: skip
     if ready != READY:
-        raise LayoutError(f"{info.path}: its creator has not finished writing the header")
-    if shard != shard_bytes:
-        raise LayoutError(_shard_mismatch(rank, shard_bytes, shard, info.path))
-    digest = digest.rstrip(b"\0").decode("ascii", "replace")
-    for what, got, want in (("world_size", world, info.world_size), ("num_slots", slots, info.num_slots),
-                            ("layout digest", digest, info.layout_digest)):  # fmt: skip
+        raise LayoutError(f"{info.path}: its creator did not finish writing the header")
+    if shard != info.shard_bytes:
+        raise LayoutError(f"{info.path}: this process's KV tensors give {info.shard_bytes} bytes per block per TP "
+                          f"rank but the segment was made for {shard} (by the scheduler or another rank); both "
+                          f"must derive bytes per block from the same logical sizes")  # fmt: skip
+    for what, got, want in (("world_size", world, info.world_size), ("num_slots", slots, info.num_slots)):
         if got != want:
-            raise LayoutError(f"{info.path}: the segment's header says {what} {got!r} but this worker was told "
-                              f"{want!r}")  # fmt: skip
+            raise LayoutError(f"{info.path}: the segment was made for {what} {got} but this process expects "
+                              f"{want}; the scheduler and every rank must size it from the same config")  # fmt: skip
 
 
-def _unlink_if_same(path: str, ino: int) -> None:
+def _unlink_if_same(fname: str, dfd: int, ino: int, path: str) -> None:
     try:
-        if os.stat(path, follow_symlinks=False).st_ino == ino:
-            os.unlink(path)
+        if os.stat(fname, dir_fd=dfd, follow_symlinks=False).st_ino == ino:
+            os.unlink(fname, dir_fd=dfd)
     except FileNotFoundError:
         pass
     except OSError as e:
