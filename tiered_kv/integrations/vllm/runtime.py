@@ -113,11 +113,13 @@ class CacheRuntime:
 
         return self.call(run()) if keys else 0
 
-    def load(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
-        return self.call(self.cache.load(list(keys), list(block_ids)))
+    def load(self, keys: Sequence[bytes], block_ids: Sequence[int], *, compute: Any = None) -> int:
+        """``compute``: an event recorded on the model's stream in vLLM's thread (see ``TieredKVCache.load``)."""
+        return self.call(self.cache.load(list(keys), list(block_ids), compute=compute))
 
-    def store(self, keys: Sequence[bytes], block_ids: Sequence[int], prefix: Sequence[bytes] = ()) -> Any:
-        return self.call(self.cache.store(list(keys), list(block_ids), prefix=list(prefix)))
+    def store(self, keys: Sequence[bytes], block_ids: Sequence[int], prefix: Sequence[bytes] = (), *,
+              compute: Any = None) -> Any:  # fmt: skip
+        return self.call(self.cache.store(list(keys), list(block_ids), prefix=list(prefix), compute=compute))
 
     def stats(self) -> dict[str, Any]:
         async def run() -> dict[str, Any]:
