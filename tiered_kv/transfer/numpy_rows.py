@@ -24,7 +24,7 @@ class NumpyRowEngine(HostCopyEngine):
         self, direction: Direction, src: np.ndarray, dst: np.ndarray, handle: CopyHandle,
         loop: asyncio.AbstractEventLoop, compute: Compute,
     ) -> None:  # fmt: skip
-        # ``compute`` orders nothing here: the "GPU" rows are CPU memory the caller wrote synchronously.
+        # ``compute`` orders nothing here (as in HostCopyEngine): the "GPU" tensors are CPU memory.
         if direction is Direction.STORE:
             job = (copy_rows, self._gpu_np, self._cpu_np, src, dst)
         else:
