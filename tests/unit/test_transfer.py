@@ -284,6 +284,20 @@ async def test_concurrent_aclose_calls_share_one_drain(rig):
     assert handle.done() and engine.closed
 
 
+async def test_compute_must_be_an_event_or_a_stream(rig):
+    engine, gpu, cpu = rig
+    before = snapshot(cpu)
+    for bad in ("stream", 7, torch.zeros(1)):
+        with pytest.raises(TransferError, match=f"compute must be None, a torch.cuda.Event or a torch.cuda.Stream, "
+                                                f"got {type(bad).__name__}"):  # fmt: skip
+            engine.submit_store([0], [0], compute=bad)
+        with pytest.raises(TransferError, match="compute must be"):
+            engine.submit_load([0], [0], compute=bad)
+    assert engine.inflight == 0 and all(torch.equal(a, b) for a, b in zip(snapshot(cpu), before, strict=True))
+    await engine.submit_store([3], [1], compute=None)
+    assert torch.equal(cpu[0][1].cpu(), gpu[0][3].cpu())
+
+
 def test_submit_outside_the_event_loop_raises():
     gpu, cpu = make_regions("host")
     engine = HostCopyEngine(gpu, cpu)

@@ -1,10 +1,16 @@
 """CUDAStreamEngine: GPU <-> pinned CPU copies on dedicated low-priority streams.
 
 Ordering against the model (the part that silently garbles outputs when wrong,
-vLLM #45704): at submit time an event is recorded on the caller's current
-(compute) stream and the copy stream waits on it before touching any block.
-A store therefore reads what the compute stream wrote, and a load never
-overwrites a block the compute stream may still be reading.
+vLLM #45704): the copy stream waits on the caller's compute event before
+touching any block. ``submit_*(..., compute=)`` takes that event (recorded by
+the caller on its compute stream), or the compute stream itself (an event is
+recorded on it at submit time); without one, an event is recorded on the
+current stream of the thread that submits, which is the caller's compute
+stream only when the model runs on that thread's current stream. (The current
+stream is per thread: on an event-loop thread it is usually the default
+stream, and torch's pool streams do not wait on the default stream.) A store
+therefore reads what the compute stream wrote, and a load never overwrites a
+block the compute stream may still be reading.
 
 Host side: a copy between the GPU and a *strided* host view is not one DMA
 (torch stages it through a pageable temporary and may synchronise the calling
@@ -37,7 +43,7 @@ import numpy as np
 import torch
 
 from tiered_kv.errors import ConfigError, LayoutError, TransferError
-from tiered_kv.transfer.base import CopyEngine, CopyHandle, Direction
+from tiered_kv.transfer.base import Compute, CopyEngine, CopyHandle, Direction
 from tiered_kv.transfer.bridge import EventBridge
 
 DEFAULT_STAGING_BYTES = 64 * 1024 * 1024
@@ -95,7 +101,7 @@ class CUDAStreamEngine(CopyEngine):
 
     def _launch(
         self, direction: Direction, src: np.ndarray, dst: np.ndarray, handle: CopyHandle,
-        loop: asyncio.AbstractEventLoop,
+        loop: asyncio.AbstractEventLoop, compute: Compute,
     ) -> None:  # fmt: skip
         stream = self._streams[direction]
         staging = self._staging[direction]
@@ -106,8 +112,7 @@ class CUDAStreamEngine(CopyEngine):
 
         error: TransferError | None = None
         with torch.cuda.device(self._device):
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self._device))
+            ready = self._ready_event(compute)
             # blocking=True: the waiter thread sleeps in synchronize() instead of spinning a core.
             done = torch.cuda.Event(blocking=True)
             with torch.cuda.stream(stream):
@@ -129,6 +134,17 @@ class CUDAStreamEngine(CopyEngine):
             keep.append(staging.buffer)
         handle.event = done
         self._bridges[direction].watch(done, handle.future, loop, self._resolve, error=error, keepalive=keep)
+
+    def _ready_event(self, compute: Compute) -> torch.cuda.Event:
+        """The event the copy stream waits on: the caller's, or one recorded now on its stream."""
+        if isinstance(compute, torch.cuda.Event):
+            return compute
+        stream = torch.cuda.current_stream(self._device) if compute is None else compute
+        if stream.device != self._device:
+            raise TransferError(f"compute stream is on {stream.device} but the KV tensors are on {self._device}")
+        ready = torch.cuda.Event()
+        ready.record(stream)
+        return ready
 
     def _release(self) -> None:
         for bridge in self._bridges.values():

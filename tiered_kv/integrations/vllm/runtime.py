@@ -28,6 +28,7 @@ from ... import load_config
 from ...config import Config
 from ...errors import ConfigError
 from ...layout import KVLayout
+from ...loops import new_loop
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class CacheRuntime:
     def __init__(self, cfg: Config, layout: KVLayout, *, rank: int = 0, world_size: int = 1) -> None:
         from ... import TieredKVCache
 
-        self._loop = asyncio.new_event_loop()
+        self._loop = new_loop()  # uvloop unless TIERED_KV_UVLOOP=0 (tiered_kv.loops)
         self._thread = threading.Thread(target=self._loop.run_forever, name="tiered-kv-vllm", daemon=True)
         self._thread.start()
         self._closed = False
@@ -113,11 +114,13 @@ class CacheRuntime:
 
         return self.call(run()) if keys else 0
 
-    def load(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
-        return self.call(self.cache.load(list(keys), list(block_ids)))
+    def load(self, keys: Sequence[bytes], block_ids: Sequence[int], *, compute: Any = None) -> int:
+        """``compute``: an event recorded on the model's stream in vLLM's thread (see ``TieredKVCache.load``)."""
+        return self.call(self.cache.load(list(keys), list(block_ids), compute=compute))
 
-    def store(self, keys: Sequence[bytes], block_ids: Sequence[int], prefix: Sequence[bytes] = ()) -> Any:
-        return self.call(self.cache.store(list(keys), list(block_ids), prefix=list(prefix)))
+    def store(self, keys: Sequence[bytes], block_ids: Sequence[int], prefix: Sequence[bytes] = (), *,
+              compute: Any = None) -> Any:  # fmt: skip
+        return self.call(self.cache.store(list(keys), list(block_ids), prefix=list(prefix), compute=compute))
 
     def stats(self) -> dict[str, Any]:
         async def run() -> dict[str, Any]:
