@@ -199,6 +199,13 @@ PYBIND11_MODULE(_core, m) {
             return py::make_tuple(i64_array(new_idx.data(), static_cast<i64>(new_idx.size())),
                                   i64_array(slots.data(), static_cast<i64>(slots.size())), rows, counts[0], counts[1]);
         })
+        .def("plan_load", [](Tier& t, py::handle keys) {
+            KeyArgs k = key_args(keys, t.keys().key_bytes());
+            std::vector<i64> slots;
+            i64 cut = 0;
+            bool pending = t.plan_load(k.data(), k.size(), slots, cut);
+            return py::make_tuple(i64_array(slots.data(), static_cast<i64>(slots.size())), cut, pending);
+        })
         .def("policy_insert", [](Tier& t, py::handle s) {
             SlotArgs a = slot_args(s, t.num_slots(), "policy_insert");
             t.policy().insert(a.p, a.n);

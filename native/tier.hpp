@@ -317,6 +317,34 @@ public:
         unpin(held.data(), static_cast<i64>(held.size()));
     }
 
+    // prepare_load for a tier with nothing below it, as one call: the keys before the first repeat
+    // (`cut`), their leading run of READY blocks (slots pinned, into `slots`), and whether the key
+    // that ends the run is in flight (RESERVED).
+    bool plan_load(const u8* const* keys, i64 n, std::vector<i64>& slots, i64& cut) {
+        const int kb = keys_.key_bytes();
+        Seen seen(n);
+        slots.clear();
+        cut = n;
+        bool stopped = false, pending = false;
+        for (i64 i = 0; i < n; ++i) {
+            u64 h = keys_.hash(keys[i]);
+            if (seen.add(keys, i, h, kb)) {
+                cut = i;
+                break;
+            }
+            if (stopped) continue;
+            i64 s = keys_.find_h(keys[i], h);
+            if (s >= 0 && state_[s] == READY) {
+                slots.push_back(s);
+                continue;
+            }
+            stopped = true;
+            pending = s >= 0;  // a CPU entry that is not READY is RESERVED: in flight
+        }
+        pin(slots.data(), static_cast<i64>(slots.size()));
+        return pending;
+    }
+
     // The leading run of keys READY or in flight over this tier and `below` (may be null), stopping at
     // the first miss; counts[0..1] = how many of the run are READY here / READY below.
     i64 leading_run(const Tier* below, const u8* const* keys, i64 n, i64 counts[2]) const {

@@ -153,4 +153,4 @@ class TestManagerTwins(ManagerTwins.TestCase):
 
 @pytest.mark.slow
 class TestManagerTwinsLong(ManagerTwins.TestCase):
-    settings = _settings(8 * EXAMPLES, 120)
+    settings = _settings(4 * EXAMPLES, 100)

@@ -1,22 +1,4 @@
-"""One tier's bookkeeping: key -> slot, slot states, pins, free slots and the eviction policy.
-
-Synchronous, loop-thread only, so it needs no locks. Every operation takes a
-batch (a numpy array of slots) and is vectorized: a tier of 64M blocks keeps
-no Python object per block, only fixed-size numpy rows (the key bytes in the
-KeyTable, a state byte, a pin count, the policy's arrays).
-
-States: FREE -> RESERVED (a copy into the slot is in flight) -> READY
-(servable, tracked by the policy or the cold list) -> FREE. A READY slot with pins > 0 is being
-read and is never evicted; an evicted slot leaves the policy at once and is
-either dropped or handed to a new key by ``reassign`` (its old bytes may still
-be read by a spill that the new key's copy waits for).
-
-The cold list holds READY blocks that are worth less than anything the policy
-orders: a copy that also lives in a faster tier (promoted, or loaded by an
-engine that stores it back on eviction), or the tail of a released session.
-It is evicted first, oldest first, and its victims are dropped, never spilled.
-A touch takes a block out of it again.
-"""
+"""Reference model of one tier's bookkeeping (tiered_kv/manager/tier_index.py says what it does), in numpy."""
 
 from __future__ import annotations
 

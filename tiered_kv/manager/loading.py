@@ -99,6 +99,9 @@ class LoadPlanning:
 
     def prepare_load(self, keys: Sequence[bytes], max_promote: int, *, exclusive: bool = False) -> LoadPlan:
         """Pin the leading run's CPU hits; reserve CPU slots for up to ``max_promote`` disk or remote hits."""
+        if (self.fused and self.disk is None and self.remote_known is None and not self.announced and len(keys)
+                and not (exclusive and self.staging is not None)):  # fmt: skip
+            return self._prepare_load_cpu(keys, exclusive)
         n = first_repeat(keys)
         if n == 0:
             return LoadPlan(stop="miss" if len(keys) else "")
@@ -155,6 +158,14 @@ class LoadPlanning:
             src, stop = src[:end], "room"
         return LoadPlan(src, promote, spill, stop, pinned=src[cpu_ready[: len(src)]], exclusive=exclusive,
                         fetch=fetch, remote_spill=self.take_remote_spill())  # fmt: skip
+
+    def _prepare_load_cpu(self, keys: Sequence[bytes], exclusive: bool) -> LoadPlan:
+        """prepare_load with no tier below the CPU: one native call finds and pins the READY run."""
+        src, n, pending = self.cpu.plan_load(keys)
+        run = len(src)
+        stop = "" if run == len(keys) else ("in_flight" if run < n and pending else "miss")
+        return LoadPlan(src, None, None, stop, pinned=src.copy(), exclusive=exclusive,
+                        remote_spill=self.take_remote_spill())  # fmt: skip
 
     def _prepare_staged(self, rows, cpu_s, cpu_ready, d_s, run: int, stop: str, max_promote: int) -> LoadPlan:
         """An exclusive load: every block of the chunk goes through a staging row.

@@ -1,40 +1,4 @@
-"""Adaptive-window LRU: a FIFO window for first-time blocks, an LRU main area, ghosts steer the split.
-
-- A block whose key is not a ghost enters the **window**, a FIFO: it stays in
-  insertion order, and its first touch (its second reference) moves it to the
-  most recent end of **main**, a plain LRU.
-- A block whose key is a ghost (evicted, then stored again) goes straight to
-  main and moves the window's target size: a ghost of the window says the
-  window was too small (the target grows), a ghost of main says main was too
-  small (the target shrinks).
-- ``evict(n)`` takes from the window's head while the window holds more than
-  its target, then from main's LRU head, and from the other area when one has
-  no unpinned candidates left.
-- ``demote(slots)``: a block that left because it moved up to a faster tier
-  (a hit) leaves a ghost of main: it was referenced again, so when that tier
-  evicts it and it is stored here once more, it goes to main, not the window.
-
-That is ARC's structure (T1 = the window, T2 = main, B1/B2 = their ghosts), so
-this class reuses ARCPolicy's lists, selection and atomic evict. What it sets
-differently was measured on the Mooncake trace (flat and through the tiered
-cache, at 1-25 % of its blocks), where most first-time blocks never come back
-and the few that do come back thousands of references later:
-
-- The window is small: its target starts at 10 % of the tier and stays within
-  5-20 % (``low``/``high``), so one-time blocks pass through a short FIFO.
-- The target moves one slot per ghost hit, per insert batch (a tag repeated in
-  the batch is a hit once). ARC's ratio steps cost 0.3-1.5 points there.
-- Ghosts remember far back: the window's up to 4x the tier's slots, main's up
-  to 2x (``GHOSTS``), ~36 bytes each (ghosts.py), so ~216 bytes per slot at the
-  bound. Each list drops its own oldest first, so trimming a batch is two
-  counts and two pops; ARC's shared bound decides per victim in a Python loop.
-
-In the tiered cache this policy runs in the last local tier only (the manager
-keeps LRU in the CPU tier when a disk tier follows): in an exclusive hierarchy
-the upper tier's order only decides what moves down, the last tier's decides
-what leaves. There it beat LRU by 0.3 points at 5 % (16.44 vs 16.13 %); the
-window in every tier gained nothing.
-"""
+"""Reference model of the adaptive-window policy (tiered_kv/policy/window.py says what it does), in numpy."""
 
 from __future__ import annotations
 
