@@ -110,8 +110,10 @@ class TieredKVCache(Moves, Lifecycle):
         # Allocating and pinning a large slab takes seconds: keep it off the loop.
         rows = self._slots["cpu"] + self._staging
         self.slabs = await loop.run_in_executor(None, lambda: CpuSlabs(
-            self.layout, rows, pin=cfg.tiers.cpu.pin_memory, pin_chunk=cfg.tiers.cpu.pin_chunk))  # fmt: skip
-        self._engine = engine = make_engine(cfg.transfer.engine, list(self.layout.regions), self.slabs.regions)
+            self.layout, rows, pin=cfg.tiers.cpu.pin_memory, pin_chunk=cfg.tiers.cpu.pin_chunk,
+            device=self.layout.device))  # fmt: skip
+        self._engine = engine = make_engine(cfg.transfer.engine, list(self.layout.regions), self.slabs.regions,
+                                            dma_rows=self.slabs.dma_rows)  # fmt: skip
         self.mover.register("gpu", "cpu", store_handler(engine))
         self.mover.register("cpu", "gpu", load_handler(engine))
         if self._disk_ns is not None:

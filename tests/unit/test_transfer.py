@@ -386,6 +386,24 @@ async def test_bridge_reports_errors_after_the_event():
         bridge.watch(late, loop.create_future(), loop, resolve)
 
 
+async def test_bridge_runs_on_start_on_its_own_thread_before_any_wait():
+    # The CUDA engine sets its device there: a wait on a thread whose current device
+    # is GPU 0 would create a context on GPU 0 (TP rank > 0).
+    seen: list[tuple[str, str]] = []
+
+    class Recorded(ThreadEvent):
+        def synchronize(self) -> None:
+            seen.append(("wait", threading.current_thread().name))
+
+    loop = asyncio.get_running_loop()
+    bridge = EventBridge("start-waiter", on_start=lambda: seen.append(("start", threading.current_thread().name)))
+    fut = loop.create_future()
+    bridge.watch(Recorded(), fut, loop, lambda f, err: f.set_result(err))
+    assert await fut is None
+    assert seen == [("start", "start-waiter"), ("wait", "start-waiter")]
+    bridge.stop()
+
+
 # -- plans -----------------------------------------------------------------
 
 
@@ -440,8 +458,9 @@ def engine_copies(draw):
 
 
 @settings(max_examples=200, deadline=None)
-@given(engine_copies(), st.sampled_from([1, 100, 4096, 1 << 30]), st.sampled_from(["slab", "separate"]))
-def test_cuda_enqueue_logic_matches_naive_copy(case, staging_limit, layout):
+@given(engine_copies(), st.sampled_from([1, 100, 4096, 1 << 30]), st.sampled_from(["slab", "separate"]),
+       st.sampled_from([None, 1, 2, 3, 7]))  # fmt: skip
+def test_cuda_enqueue_logic_matches_naive_copy(case, staging_limit, layout, dma_rows):
     widths, num_blocks, num_slots, store, src_ids, dst_ids, order = case
     gen = torch.Generator().manual_seed(len(src_ids) + 7 * len(widths))
     gpu = [torch.randint(0, 256, (num_blocks, w), dtype=torch.uint8, generator=gen) for w in widths]
@@ -456,9 +475,9 @@ def test_cuda_enqueue_logic_matches_naive_copy(case, staging_limit, layout):
     staging = Staging(torch.device("cpu"), staging_limit)
     src_arr, dst_arr = np.array(src_ids, dtype=np.int64), np.array(dst_ids, dtype=np.int64)
     if store:
-        enqueue_store(gpu, slabs, src_arr, dst_arr, staging, torch.from_numpy)
+        enqueue_store(gpu, slabs, src_arr, dst_arr, staging, torch.from_numpy, dma_rows)
     else:
-        enqueue_load(gpu, slabs, src_arr, dst_arr, staging, torch.from_numpy)
+        enqueue_load(gpu, slabs, src_arr, dst_arr, staging, torch.from_numpy, dma_rows)
     for r, (got, want) in enumerate(zip(dst, expected, strict=True)):
         assert torch.equal(got, want), f"region {r} differs from the per-row copy"
 
@@ -504,6 +523,31 @@ def test_block_major_host_side_is_one_contiguous_copy_per_run(store, staging_lim
     assert [op for op, _, _ in seen.ops] == ["aten.copy_.default"] * len(runs)
     assert [shapes for _, shapes, _ in seen.ops] == [[(n, sum(widths))] for n in runs]
     assert all(all(contig) for _, _, contig in seen.ops)
+    src, dst = (gpu, cpu) if store else (cpu, gpu)
+    for s, d, b in zip(src, dst, before, strict=True):
+        want = b.clone()
+        want[torch.from_numpy(slots if store else gpu_ids)] = s[torch.from_numpy(gpu_ids if store else slots)]
+        assert torch.equal(d, want)
+
+
+@pytest.mark.parametrize("store", [True, False])
+@pytest.mark.parametrize("widths", [(64, 300, 8), (512,)], ids=["staged", "direct"])
+def test_no_dma_crosses_a_registered_chunk_edge(store, widths):
+    # The slab is registered in chunks of 4 rows here: the run of slots 2-9 becomes 2-3, 4-7, 8-9.
+    gen = torch.Generator().manual_seed(5)
+    gpu = [torch.randint(0, 256, (24, w), dtype=torch.uint8, generator=gen) for w in widths]
+    cpu, slab = cpu_side("slab", widths, 16, list(range(len(widths))), gen)
+    slab = slab if slab is not None else cpu[0]
+    slots = np.array([2, 3, 4, 5, 6, 7, 8, 9], dtype=np.int64)
+    gpu_ids = np.arange(10, 18, dtype=np.int64)  # consecutive: single-region slabs copy directly
+    before = [t.clone() for t in (cpu if store else gpu)]
+    slabs, staging = host_slabs(cpu), Staging(torch.device("cpu"), 1 << 20)
+    with HostCopies(slab) as seen:
+        if store:
+            enqueue_store(gpu, slabs, gpu_ids, slots, staging, torch.from_numpy, 4)
+        else:
+            enqueue_load(gpu, slabs, slots, gpu_ids, staging, torch.from_numpy, 4)
+    assert [shapes[0][0] for _, shapes, _ in seen.ops] == [2, 4, 2]
     src, dst = (gpu, cpu) if store else (cpu, gpu)
     for s, d, b in zip(src, dst, before, strict=True):
         want = b.clone()

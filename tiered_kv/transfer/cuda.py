@@ -1,4 +1,4 @@
-"""CUDAStreamEngine: GPU <-> pinned CPU copies on dedicated low-priority streams.
+"""CUDAStreamEngine: GPU <-> pinned CPU copies on two streams of its own (store, load).
 
 Ordering against the model (the part that silently garbles outputs when wrong,
 vLLM #45704): the copy stream waits on the caller's compute event before
@@ -54,7 +54,14 @@ _WIDE_DTYPES = (torch.int64, torch.int32, torch.int16)
 
 
 class CUDAStreamEngine(CopyEngine):
-    """Copies on two low-priority CUDA streams (store, load); needs pinned CPU regions."""
+    """Copies on two CUDA streams of its own (store, load); needs pinned CPU regions.
+
+    The streams have the default priority: CUDA's priorities only go up from the
+    default (``priority_range()`` is ``(0, -N)``: 0 is already the least), so a
+    copy stream cannot rank below a default compute stream, only beside it.
+    ``dma_rows``: the pinned slab's registered chunks, in rows (``CpuSlabs.dma_rows``):
+    no DMA crosses a multiple of it.
+    """
 
     def __init__(
         self,
@@ -62,6 +69,7 @@ class CUDAStreamEngine(CopyEngine):
         cpu_regions: Sequence[torch.Tensor],
         *,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
+        dma_rows: int | None = None,
     ) -> None:
         super().__init__(gpu_regions, cpu_regions)
         if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < 1:
@@ -76,19 +84,23 @@ class CUDAStreamEngine(CopyEngine):
             if t.device.type != "cpu":
                 raise LayoutError(f"cpu region {r} is on {t.device}, expected cpu")
         self.host_slabs = host_slabs(self._cpu)
-        unpinned = [r for s in self.host_slabs if not s.rows.is_pinned() for r in s.regions]
-        if unpinned:
-            raise TransferError(
-                f"cpu regions {unpinned} are not pinned: asynchronous copies need page-locked memory "
-                "(allocate the CPU tier with pinning enabled)"
-            )
-        least_priority, _greatest = torch.cuda.Stream.priority_range()
+        self.dma_rows = dma_rows
+        # Every CUDA call below runs with the KV tensors' device current: on a thread whose
+        # current device is GPU 0, it would create a context (~0.5 GiB) there (TP rank > 0).
         with torch.cuda.device(self._device):
-            self._streams = {
-                d: torch.cuda.Stream(device=self._device, priority=least_priority) for d in Direction
-            }
+            unpinned = [r for s in self.host_slabs if not s.rows.is_pinned() for r in s.regions]
+            if unpinned:
+                raise TransferError(
+                    f"cpu regions {unpinned} are not pinned: asynchronous copies need page-locked memory "
+                    "(allocate the CPU tier with pinning enabled)"
+                )
+            self._streams = {d: torch.cuda.Stream(device=self._device, priority=0) for d in Direction}
         self._staging = {d: Staging(self._device, staging_bytes) for d in Direction}
-        self._bridges = {d: EventBridge(f"tiered-kv-{d.value}-waiter") for d in Direction}
+        device = self._device
+        self._bridges = {
+            d: EventBridge(f"tiered-kv-{d.value}-waiter", on_start=lambda: torch.cuda.set_device(device))
+            for d in Direction
+        }
 
     @property
     def block_major(self) -> bool:
@@ -119,9 +131,9 @@ class CUDAStreamEngine(CopyEngine):
                 stream.wait_event(ready)
                 try:
                     if direction is Direction.STORE:
-                        enqueue_store(self._gpu, self.host_slabs, src, dst, staging, index)
+                        enqueue_store(self._gpu, self.host_slabs, src, dst, staging, index, self.dma_rows)
                     else:
-                        enqueue_load(self._gpu, self.host_slabs, src, dst, staging, index)
+                        enqueue_load(self._gpu, self.host_slabs, src, dst, staging, index, self.dma_rows)
                 except Exception as exc:
                     # Part of the batch may be queued already: report the failure
                     # only after `done`, when none of it can still be running.
@@ -149,8 +161,9 @@ class CUDAStreamEngine(CopyEngine):
     def _release(self) -> None:
         for bridge in self._bridges.values():
             bridge.stop()
-        for staging in self._staging.values():
-            staging.release()
+        with torch.cuda.device(self._device):  # frees device memory: the right device current
+            for staging in self._staging.values():
+                staging.release()
 
     def _device_index(self, ids: np.ndarray, keep: list[torch.Tensor]) -> torch.Tensor:
         # Pinned source + non_blocking: a pageable or synchronous upload would make
@@ -255,10 +268,11 @@ Index = Callable[[np.ndarray], torch.Tensor]
 
 def enqueue_store(
     gpu: Sequence[torch.Tensor], slabs: Sequence[HostSlab], gpu_ids: np.ndarray, cpu_slots: np.ndarray,
-    staging: Staging, index: Index,
+    staging: Staging, index: Index, dma_rows: int | None = None,
 ) -> None:  # fmt: skip
-    """Queue GPU rows -> CPU slots on the current stream: gather into staging, one DMA per run of slots."""
-    plan = _Plan(cpu_slots, gpu_ids, direct_ok=len(slabs[0].regions) == 1, index=index)
+    """Queue GPU rows -> CPU slots on the current stream: gather into staging, one DMA per run of slots
+    (cut at multiples of ``dma_rows``, where the slab's registered chunks end)."""
+    plan = _Plan(cpu_slots, gpu_ids, direct_ok=len(slabs[0].regions) == 1, index=index, dma_rows=dma_rows)
     for slab in slabs:
         for g0, s0, n in plan.direct:
             slab.rows[s0 : s0 + n].copy_(gpu[slab.regions[0]][g0 : g0 + n], non_blocking=True)
@@ -278,10 +292,10 @@ def enqueue_store(
 
 def enqueue_load(
     gpu: Sequence[torch.Tensor], slabs: Sequence[HostSlab], cpu_slots: np.ndarray, gpu_ids: np.ndarray,
-    staging: Staging, index: Index,
+    staging: Staging, index: Index, dma_rows: int | None = None,
 ) -> None:  # fmt: skip
-    """Queue CPU slots -> GPU rows on the current stream: one DMA per run of slots, then scatter."""
-    plan = _Plan(cpu_slots, gpu_ids, direct_ok=len(slabs[0].regions) == 1, index=index)
+    """Queue CPU slots -> GPU rows on the current stream: one DMA per run of slots (see enqueue_store), then scatter."""
+    plan = _Plan(cpu_slots, gpu_ids, direct_ok=len(slabs[0].regions) == 1, index=index, dma_rows=dma_rows)
     for slab in slabs:
         for g0, s0, n in plan.direct:
             gpu[slab.regions[0]][g0 : g0 + n].copy_(slab.rows[s0 : s0 + n], non_blocking=True)
@@ -308,7 +322,8 @@ class _Plan:
     chunk's GPU rows are not consecutive.
     """
 
-    def __init__(self, slots: np.ndarray, dev: np.ndarray, *, direct_ok: bool, index: Index) -> None:
+    def __init__(self, slots: np.ndarray, dev: np.ndarray, *, direct_ok: bool, index: Index,
+                 dma_rows: int | None = None) -> None:  # fmt: skip
         if len(slots) > 1 and not bool(np.all(slots[1:] > slots[:-1])):
             order = np.argsort(slots, kind="stable")
             slots, dev = slots[order], dev[order]
@@ -320,7 +335,8 @@ class _Plan:
         else:
             direct = np.zeros(len(a), dtype=bool)
         firsts = (dev[a[direct]].tolist(), slots[a[direct]].tolist(), (b - a)[direct].tolist())
-        self.direct = list(zip(*firsts, strict=True))
+        self.direct = _cut_runs(list(zip(*firsts, strict=True)), dma_rows)
+        self._dma_rows = dma_rows
         staged = np.repeat(~direct, b - a)
         self.slots, self.dev = slots[staged], dev[staged]
         self._index = index
@@ -339,7 +355,7 @@ class _Plan:
                 if self._idx is None:
                     self._idx = self._index(self.dev)
                 ids = self._idx[a:b]
-            yield staging.view(b - a, width), ids, _spans(self.slots[a:b])
+            yield staging.view(b - a, width), ids, _spans(self.slots[a:b], self._dma_rows)
 
 
 def _run_bounds(ids: np.ndarray) -> np.ndarray:
@@ -348,11 +364,30 @@ def _run_bounds(ids: np.ndarray) -> np.ndarray:
     return np.concatenate(([0], cuts, [len(ids)])).astype(np.int64) if len(ids) else np.zeros(1, np.int64)
 
 
-def _spans(slots: np.ndarray) -> list[tuple[int, int, int]]:
-    """``(offset, first slot, length)`` for each run of consecutive slots."""
+def _spans(slots: np.ndarray, dma_rows: int | None = None) -> list[tuple[int, int, int]]:
+    """``(offset, first slot, length)`` for each run of consecutive slots, cut where a registered chunk ends."""
     bounds = _run_bounds(slots)
     starts = bounds[:-1]
-    return list(zip(starts.tolist(), slots[starts].tolist(), np.diff(bounds).tolist(), strict=True))
+    spans = list(zip(starts.tolist(), slots[starts].tolist(), np.diff(bounds).tolist(), strict=True))
+    return _cut_runs(spans, dma_rows)
+
+
+def _cut_runs(runs: list[tuple[int, int, int]], every: int | None) -> list[tuple[int, int, int]]:
+    """Runs ``(other side's first, first slot, length)`` cut where the slots cross a multiple of ``every``.
+
+    The pinned slab is registered in chunks of ``every`` rows, and one DMA stays
+    inside one registration.
+    """
+    if not every or all(slot // every == (slot + n - 1) // every for _, slot, n in runs):
+        return runs
+    out = []
+    for a, b, length in runs:
+        done = 0
+        while done < length:
+            piece = min(length - done, every - (b + done) % every)
+            out.append((a + done, b + done, piece))
+            done += piece
+    return out
 
 
 def _widen(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
