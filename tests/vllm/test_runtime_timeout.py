@@ -27,12 +27,26 @@ class SlowHostEngine(HostCopyEngine):
     def __init__(self, gpu, cpu) -> None:
         super().__init__(gpu, cpu, inline_bytes=0)
         self.delay = 0.0
+        self.submitted = 0
         self.copied_at: list[float] = []  # when each batch's bytes had all landed
+
+    def _launch(self, *args) -> None:
+        self.submitted += 1
+        super()._launch(*args)
 
     def _threaded(self, job, handle, loop) -> None:
         time.sleep(self.delay)
         super()._threaded(job, handle, loop)  # copies, then tells the loop
+
+    def _resolve_threaded(self, handle, error) -> None:  # on the loop, once the batch's bytes landed
         self.copied_at.append(time.monotonic())
+        super()._resolve_threaded(handle, error)
+
+
+def check_copies_landed(engine: SlowHostEngine, before: int, returned: float) -> None:
+    assert engine.submitted > before, "test setup: the call timed out before it queued its copy"
+    assert len(engine.copied_at) == engine.submitted, "call returned while its copy was still queued"
+    assert engine.copied_at[-1] <= returned
 
 
 @pytest.fixture
@@ -64,16 +78,16 @@ def test_a_timed_out_load_returns_only_after_its_copies_and_never_writes_later(r
     assert rt.store(keys, [0, 1, 2, 3]).stored == 4
     for t in kv.values():
         t.zero_()
-    engine.delay, before = 0.6, len(engine.copied_at)
+    engine.delay, before = 1.0, engine.submitted
     with pytest.raises((tkv.TransferError, TimeoutError)) as raised:
-        rt.call(rt.cache.load(keys, [8, 9, 10, 11]), timeout=0.1)
+        rt.call(rt.cache.load(keys, [8, 9, 10, 11]), timeout=0.3)
     returned = time.monotonic()
     seen = [t.clone() for t in kv.values()]
-    assert len(engine.copied_at) == before + 1 and engine.copied_at[-1] <= returned, "returned before its copy"
-    time.sleep(0.8)
+    check_copies_landed(engine, before, returned)
+    time.sleep(1.2)
     for before, t in zip(seen, kv.values(), strict=True):
         assert torch.equal(before, t), "a copy wrote into the blocks after the call had returned"
-    assert raised.match(r"timed out after 0.1 s; it was cancelled and its copies have landed")
+    assert raised.match(r"timed out after 0.3 s; it was cancelled and its copies have landed")
 
 
 def test_a_timed_out_store_is_discarded_after_its_copies_landed(runtime):
@@ -81,11 +95,11 @@ def test_a_timed_out_store_is_discarded_after_its_copies_landed(runtime):
     keys = rt.keyer.keys_for_block_ids(range(20, 24))
     for t in kv.values():
         t[4:8].fill_(5)
-    engine.delay = 0.6
+    engine.delay, before = 1.0, engine.submitted
     with pytest.raises((tkv.TransferError, TimeoutError)) as raised:
-        rt.call(rt.cache.store(keys, [4, 5, 6, 7]), timeout=0.1)
+        rt.call(rt.cache.store(keys, [4, 5, 6, 7]), timeout=0.3)
     returned = time.monotonic()
-    assert engine.copied_at and engine.copied_at[-1] <= returned, "call returned while its copy was still queued"
+    check_copies_landed(engine, before, returned)
     assert isinstance(raised.value, tkv.TransferError) and raised.match("timed out")
     # vLLM reuses the blocks now; what the copy read from them must never be served.
     engine.delay = 0.0
