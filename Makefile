@@ -30,7 +30,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q -m "slow or not slow"
 
 # The differential tests (tests/core) against a build of the native core with AddressSanitizer and
-# UBSan (any error aborts the run); the sanitizer runtimes are preloaded into the uninstrumented Python.
+# UBSan (any error aborts the run); the sanitizer runtimes are preloaded into the uninstrumented Python,
+# and --capture=sys leaves stderr alone so the sanitizer's report reaches the log before the abort.
 CORE_DEBUG_DIR := build/core-debug
 test-core-debug: $(STAMP)
 	rm -rf $(CORE_DEBUG_DIR)
@@ -38,7 +39,7 @@ test-core-debug: $(STAMP)
 	TIERED_KV_CORE="$$(ls $(CURDIR)/$(CORE_DEBUG_DIR)/tiered_kv/_core*.so)" \
 	LD_PRELOAD="$$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libubsan.so)" \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-	TIERED_KV_EXPECT_DEBUG_CORE=1 $(PY) -m pytest -q -p no:cacheprovider tests/core
+	TIERED_KV_EXPECT_DEBUG_CORE=1 $(PY) -m pytest -q -p no:cacheprovider --capture=sys tests/core
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests
