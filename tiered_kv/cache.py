@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from .backpressure import ByteBudget
-from .capacity import remote_blocks, tier_slots
+from .capacity import cpu_rows, promote_chunk, remote_blocks, staging_rows, tier_slots
 from .config import Config, check_capacities, load_config
 from .errors import BlockIdError, HintError, LayoutError
 from .identity import disk_namespace, make_keyer, remote_namespace
@@ -34,10 +34,10 @@ from .mover import DiskIO, Mover, load_handler, store_handler
 from .moves import Moves, StoreResult, _Op
 from .tiers.cpu import CpuSlabs
 from .transfer import CopyEngine, make_engine
+from .transfer.base import Compute, check_compute, compute_event
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-STAGING_BYTES = 64 << 20  # at most this much slab beside the CPU tier for exclusive loads' disk/remote hits
 
 
 class TieredKVCache(Moves, Lifecycle):
@@ -56,10 +56,16 @@ class TieredKVCache(Moves, Lifecycle):
         rank: int = 0,
         world_size: int = 1,
         shard_id: str | None = None,
+        slabs_factory: Callable[[KVLayout, int], Any] | None = None,
+        engine_factory: Callable[[Any], Any] | None = None,
     ):
         self.config = cfg = load_config(config)
-        if not isinstance(layout, KVLayout) or not layout.is_bound:
+        if not isinstance(layout, KVLayout) or not (layout.is_bound or engine_factory is not None):
             raise LayoutError("TieredKVCache needs a layout bound to the KV tensors (KVLayout.from_tensors or bind)")
+        # Injected by a scheduler process (split/scheduler.py): its slab is the shared segment and its
+        # engine sends the copies to the workers; everything else is this same cache.
+        self._slabs_factory = slabs_factory or self._local_slabs
+        self._engine_factory = engine_factory
         check_capacities(cfg, layout.bytes_per_block)
         self.layout = layout
         self.metrics = metrics or CacheMetrics()
@@ -67,12 +73,8 @@ class TieredKVCache(Moves, Lifecycle):
         # scheduler process uses (identity.make_keyer, capacity.tier_slots).
         self.keyer = make_keyer(cfg, layout, rank=rank, world_size=world_size, shard_id=shard_id)
         self._key_bytes = self.keyer.key_bytes
-        self._slots = slots = tier_slots(cfg, layout)
-        # Promotions per chunk: a prefix longer than the CPU tier loads through it in chunks.
-        budget_blocks = max(1, cfg.transfer.max_inflight_bytes // layout.bytes_per_block)
-        self._max_promote = max(1, min(slots["cpu"] // 2, budget_blocks))
-        # Staging rows for exclusive loads (beside the CPU tier's slots, not part of its capacity).
-        self._staging = min(self._max_promote, max(1, STAGING_BYTES // layout.bytes_per_block))
+        self._slots = tier_slots(cfg, layout)
+        self._max_promote, self._staging = promote_chunk(cfg, layout), staging_rows(cfg, layout)
         self.manager = self._new_manager()
         self.metrics.track_used_slots("cpu", lambda: self.manager.cpu.used)
         if self.manager.disk is not None:
@@ -108,10 +110,13 @@ class TieredKVCache(Moves, Lifecycle):
         cfg = self.config
         loop = asyncio.get_running_loop()
         # Allocating and pinning a large slab takes seconds: keep it off the loop.
-        rows = self._slots["cpu"] + self._staging
-        self.slabs = await loop.run_in_executor(None, lambda: CpuSlabs(
-            self.layout, rows, pin=cfg.tiers.cpu.pin_memory, pin_chunk=cfg.tiers.cpu.pin_chunk))  # fmt: skip
-        self._engine = engine = make_engine(cfg.transfer.engine, list(self.layout.regions), self.slabs.regions)
+        rows = cpu_rows(cfg, self.layout)  # the same number a shared segment is sized by
+        self.slabs = await loop.run_in_executor(None, self._slabs_factory, self.layout, rows)
+        if self._engine_factory is not None:
+            self._engine = engine = self._engine_factory(self.slabs)
+        else:
+            self._engine = engine = make_engine(cfg.transfer.engine, list(self.layout.regions), self.slabs.regions,
+                                                dma_rows=self.slabs.dma_rows)  # fmt: skip
         self.mover.register("gpu", "cpu", store_handler(engine))
         self.mover.register("cpu", "gpu", load_handler(engine))
         if self._disk_ns is not None:
@@ -131,6 +136,10 @@ class TieredKVCache(Moves, Lifecycle):
             self.mover.register("remote", "cpu", remote.read)
             self.manager.remote_known = remote.known
             self.manager.remote_write = cfg.tiers.remote.write
+
+    def _local_slabs(self, layout: KVLayout, rows: int) -> CpuSlabs:
+        cpu = self.config.tiers.cpu
+        return CpuSlabs(layout, rows, pin=cpu.pin_memory, pin_chunk=cpu.pin_chunk, device=layout.device)
 
     def _disk_degraded(self) -> None:
         self.manager.disk_writable = False
@@ -288,6 +297,7 @@ class TieredKVCache(Moves, Lifecycle):
         session: str | int | None = None,
         expect_followup: bool = False,
         after: Awaitable[Any] | None = None,
+        compute: Compute = None,
     ) -> StoreResult:
         """Copy the GPU blocks of keys not yet resident into CPU slots.
 
@@ -299,17 +309,19 @@ class TieredKVCache(Moves, Lifecycle):
         count as in flight (``lookup``'s ``pending``): a concurrent load waits for them
         instead of missing them. An engine saving blocks its own cache is about to reuse
         announces them this way and lets them in once room has been freed.
+        ``compute``: see ``load``; the copies read the blocks only after it.
         """
         ids = self._check_args(keys, gpu_block_ids)
+        compute = self._compute_event(compute)
         if len(prefix):
             check_keys(prefix, self._key_bytes)
         keys, prefix = list(keys), list(prefix)
         if session is not None:
             self.manager.hint(_check_session(session), prefix + keys, bool(expect_followup))
         if after is None:
-            return await self._run(lambda op: self._store_body(op, keys, ids, prefix), "store")
+            return await self._run(lambda op: self._store_body(op, keys, ids, prefix), "store", compute)
         self.manager.announce(keys)
-        return await self._run(lambda op: self._store_after(op, after, keys, ids, prefix), "store")
+        return await self._run(lambda op: self._store_after(op, after, keys, ids, prefix), "store", compute)
 
     async def load(
         self,
@@ -318,6 +330,7 @@ class TieredKVCache(Moves, Lifecycle):
         *,
         exclusive: bool = False,
         before_copy: Callable[[], Awaitable[Any]] | None = None,
+        compute: Compute = None,
     ) -> int:
         """Load the leading resident keys into the GPU blocks; returns how many were loaded.
 
@@ -330,15 +343,29 @@ class TieredKVCache(Moves, Lifecycle):
         landed and before anything is copied into the GPU blocks (or before returning
         when nothing is): an engine that must first save what those GPU blocks held
         stores it there, into the room the reads just freed.
+        ``compute``: what the GPU copies are ordered after, a ``torch.cuda.Event`` the caller
+        recorded on its compute stream or that ``torch.cuda.Stream`` (an event is recorded
+        on it now, at the call). Without it the copies wait for the current stream of the
+        event loop's thread at the time each copy is submitted, which orders them after the
+        model only if the model runs on that stream (see README, "Ordering against the GPU").
+        Ignored by the host engine (CPU tensors).
         """
         ids = self._check_args(keys, gpu_block_ids)
+        compute = self._compute_event(compute)
         keys = list(keys)
 
         def body(op: _Op) -> Awaitable[int]:
             op.before_copy = before_copy
             return self._load_body(op, keys, ids, bool(exclusive))
 
-        return await self._run(body, "load")
+        return await self._run(body, "load", compute)
+
+    def _compute_event(self, compute: Compute) -> Compute:
+        """A stream becomes an event recorded at the call (CUDA tensors only); anything else is checked."""
+        if self.layout.device.type != "cuda":
+            check_compute(compute)
+            return None
+        return compute_event(compute)
 
     def _check_args(self, keys: Sequence[bytes], gpu_block_ids: Sequence[int]) -> np.ndarray:
         """Validate a call before anything is reserved; returns the block ids as an int64 array."""
@@ -349,7 +376,7 @@ class TieredKVCache(Moves, Lifecycle):
             raise BlockIdError(f"{len(keys)} keys but {len(ids)} gpu_block_ids")
         return ids
 
-    async def _run(self, body: Callable[[_Op], Awaitable[T]], op_name: str) -> T:
+    async def _run(self, body: Callable[[_Op], Awaitable[T]], op_name: str, compute: Compute = None) -> T:
         """Run a move as a task the cache owns; the caller waits for it, cancelled or not.
 
         On cancellation the flag stops the move before its next copy, and the caller
@@ -357,6 +384,7 @@ class TieredKVCache(Moves, Lifecycle):
         GPU blocks have landed: the engine reuses those blocks the moment we return.
         """
         op = _Op()
+        op.compute = compute
         t0 = time.perf_counter()  # not loop.time(): uvloop's ticks in whole milliseconds
         task = self.spawn(body(op))
 

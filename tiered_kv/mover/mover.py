@@ -30,10 +30,15 @@ Handler = Callable[[Any], Awaitable[np.ndarray]]
 
 @dataclass
 class CopyJob:
-    """GPU <-> CPU: row ``src_ids[i]`` of the source into row ``dst_ids[i]`` of the destination."""
+    """GPU <-> CPU: row ``src_ids[i]`` of the source into row ``dst_ids[i]`` of the destination.
+
+    ``compute``: what the copy is ordered after (a recorded CUDA event, or None; see
+    ``transfer.base.check_compute``).
+    """
 
     src_ids: np.ndarray
     dst_ids: np.ndarray
+    compute: Any = None
 
     def __len__(self) -> int:
         return len(self.src_ids)

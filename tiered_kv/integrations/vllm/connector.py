@@ -135,11 +135,12 @@ class TieredKVConnector(KVConnectorBase_V1):
         if rt is None or not isinstance(meta, TieredKVMetadata):
             return
         self._failed_reqs = set()
+        compute = _compute_event(rt) if meta.loads else None
         for t in meta.loads:
             n = 0
             try:
                 keys = _chain(rt, t, self._block_size)[t.start :]
-                n = rt.load(keys, t.block_ids)
+                n = rt.load(keys, t.block_ids, compute=compute)
             except Exception as exc:  # never crash the engine: vLLM recomputes what we did not load
                 log.warning("tiered_kv: load of %d blocks for %s failed: %r", len(t.block_ids), t.req_id, exc)
             rt.counters["loaded_blocks"] += n
@@ -159,6 +160,7 @@ class TieredKVConnector(KVConnectorBase_V1):
         rt = self._runtime
         if rt is None or not isinstance(meta, TieredKVMetadata):
             return
+        compute = _compute_event(rt) if meta.stores else None
         for t in meta.stores:
             if t.req_id in self._failed_reqs:
                 continue
@@ -166,7 +168,7 @@ class TieredKVConnector(KVConnectorBase_V1):
                 keys = _chain(rt, t, self._block_size)
                 # The chain before this chunk is the prefix: it is never evicted for the chunk,
                 # and the whole chain is touched head first (no orphaned blocks).
-                res = rt.store(keys[t.start :], t.block_ids, prefix=keys[: t.start])
+                res = rt.store(keys[t.start :], t.block_ids, prefix=keys[: t.start], compute=compute)
                 rt.counters["stored_blocks"] += getattr(res, "stored", 0)
             except Exception as exc:  # a lost store is a future miss, never an engine failure
                 log.warning("tiered_kv: store of %d blocks for %s failed: %r", len(t.block_ids), t.req_id, exc)
@@ -275,6 +277,22 @@ def _chain(rt: CacheRuntime, t: BlockTransfer, block_size: int) -> list[bytes]:
     """Keys of the request's blocks up to the end of this transfer (``[t.start:]`` are its own)."""
     end = t.start + len(t.block_ids)
     return request_block_keys(rt.keyer, t.token_ids, block_size, t.salt, end)[:end]
+
+
+def _compute_event(rt: CacheRuntime) -> Any:
+    """An event on the model's current stream, recorded here in vLLM's thread; None for CPU tensors.
+
+    The cache's loop thread has a current stream of its own (the default stream), which
+    vLLM's compute stream does not wait on: ordering must be captured on this thread.
+    """
+    device = rt.cache.layout.device
+    if device.type != "cuda":
+        return None
+    import torch
+
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def _tp_rank() -> tuple[int, int]:
