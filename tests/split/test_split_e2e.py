@@ -157,7 +157,7 @@ async def test_two_ranks_round_trip_through_cpu_and_disk(workers, tmp_path):
         ws[0].ask("mute", True)
         lost = keyer.keys_for_block_ids(range(200, 202))
         with pytest.raises(TransferError, match=r"rank\(s\) \[0\] did not report within 3.0 s"):
-            await cache.store(lost, [20, 21])
+            await asyncio.wait_for(cache.store(lost, [20, 21]), 30)
         assert cache.lookup(lost).total == 0
         cache.check_invariants()
         ws[0].ask("mute", False)  # its late reports are ignored
@@ -172,7 +172,7 @@ async def test_two_ranks_round_trip_through_cpu_and_disk(workers, tmp_path):
             await asyncio.sleep(0.005)
         assert side.proxy.cancel_request("req-gone") == 1
         with pytest.raises(TransferError, match="cancelled before it was sent"):
-            await store
+            await asyncio.wait_for(store, 10)
         pump.paused = False
         assert len(pump.sent) == n_sent and cache.lookup(gone).total == 0
         reply = await loop.run_in_executor(None, ws[1].ask, "check", {})
