@@ -21,6 +21,7 @@ import time
 import numpy as np
 import torch
 
+from .. import loops
 from ..transfer.host import HostCopyEngine
 from ..transfer.numpy_rows import NumpyRowEngine
 
@@ -52,7 +53,7 @@ class Copier:
             self._thread.join()
 
     def _run(self) -> None:
-        asyncio.run(self._drive())
+        loops.run(self._drive())
 
     async def _drive(self) -> None:
         cls = HostCopyEngine if self.mode == "torch" else NumpyRowEngine

@@ -21,6 +21,7 @@ from typing import Any
 
 from ..errors import ConfigError, LayoutError, TransferError
 from ..layout import KVLayout
+from ..loops import new_loop
 from ..tiers.shared_cpu import SegmentInfo, SharedSegment
 from ..transfer.base import CopyEngine, compute_event
 from ..transfer.numpy_rows import NumpyRowEngine
@@ -56,7 +57,7 @@ class ShardCopier:
         self._ok: list[int] = []
         self._failed: list[int] = []
         self._running: set[int] = set()  # submitted and not finished (for ``wait``)
-        self._loop = asyncio.new_event_loop()
+        self._loop = new_loop()  # the loop kind every loop tiered_kv starts uses (loops.py)
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"tiered-kv-copier-{rank}", daemon=True)
         self._thread.start()
         self._closed = False

@@ -28,6 +28,7 @@ from ... import load_config
 from ...config import Config
 from ...errors import ConfigError
 from ...layout import KVLayout
+from ...loops import new_loop
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class CacheRuntime:
     def __init__(self, cfg: Config, layout: KVLayout, *, rank: int = 0, world_size: int = 1) -> None:
         from ... import TieredKVCache
 
-        self._loop = asyncio.new_event_loop()
+        self._loop = new_loop()  # uvloop unless TIERED_KV_UVLOOP=0 (tiered_kv.loops)
         self._thread = threading.Thread(target=self._loop.run_forever, name="tiered-kv-vllm", daemon=True)
         self._thread.start()
         self._closed = False
