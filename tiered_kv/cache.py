@@ -115,7 +115,8 @@ class TieredKVCache(Moves, Lifecycle):
         if self._engine_factory is not None:
             self._engine = engine = self._engine_factory(self.slabs)
         else:
-            self._engine = engine = make_engine(cfg.transfer.engine, list(self.layout.regions), self.slabs.regions)
+            self._engine = engine = make_engine(cfg.transfer.engine, list(self.layout.regions), self.slabs.regions,
+                                                dma_rows=self.slabs.dma_rows)  # fmt: skip
         self.mover.register("gpu", "cpu", store_handler(engine))
         self.mover.register("cpu", "gpu", load_handler(engine))
         if self._disk_ns is not None:
@@ -138,7 +139,7 @@ class TieredKVCache(Moves, Lifecycle):
 
     def _local_slabs(self, layout: KVLayout, rows: int) -> CpuSlabs:
         cpu = self.config.tiers.cpu
-        return CpuSlabs(layout, rows, pin=cpu.pin_memory, pin_chunk=cpu.pin_chunk)
+        return CpuSlabs(layout, rows, pin=cpu.pin_memory, pin_chunk=cpu.pin_chunk, device=layout.device)
 
     def _disk_degraded(self) -> None:
         self.manager.disk_writable = False

@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from .. import loops
+from ..loops import run as run_loop
 from ..transfer.host import HostCopyEngine
 from ..transfer.numpy_rows import NumpyRowEngine
 
@@ -53,7 +53,7 @@ class Copier:
             self._thread.join()
 
     def _run(self) -> None:
-        loops.run(self._drive())
+        run_loop(self._drive())
 
     async def _drive(self) -> None:
         cls = HostCopyEngine if self.mode == "torch" else NumpyRowEngine

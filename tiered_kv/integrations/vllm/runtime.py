@@ -14,6 +14,7 @@ and asks it directly; see connector.py for what happens otherwise.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import threading
@@ -26,7 +27,7 @@ import yaml
 
 from ... import load_config
 from ...config import Config
-from ...errors import ConfigError
+from ...errors import ConfigError, TransferError
 from ...layout import KVLayout
 from ...loops import new_loop
 
@@ -78,7 +79,8 @@ class CacheRuntime:
         from ... import TieredKVCache
 
         self._loop = new_loop()  # uvloop unless TIERED_KV_UVLOOP=0 (tiered_kv.loops)
-        self._thread = threading.Thread(target=self._loop.run_forever, name="tiered-kv-vllm", daemon=True)
+        self._device = layout.device
+        self._thread = threading.Thread(target=self._run_loop, name="tiered-kv-vllm", daemon=True)
         self._thread.start()
         self._closed = False
         self.counters: Counter[str] = Counter()  # loaded / load_error / stored blocks, for stats and tests
@@ -98,10 +100,50 @@ class CacheRuntime:
         self.stats_file: str | None = None  # kv_connector_extra_config.stats_file: final stats, written at close
         _close_before_executors_exit(self)
 
+    def _run_loop(self) -> None:
+        # The loop thread is ours: its current device must be the KV tensors' (the copy
+        # engine's CUDA calls run here), or each call would create a context on GPU 0.
+        if self._device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(self._device)
+        self._loop.run_forever()
+
     # -- calls from vLLM's threads --------------------------------------------------------
     def call(self, coro: Coroutine[Any, Any, Any], timeout: float = CALL_TIMEOUT_S) -> Any:
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        return future.result(timeout)
+        """Run ``coro`` on the loop and wait for it, at most ``timeout`` seconds before cancelling it.
+
+        A call that times out is cancelled, and this still waits until the call has
+        ended: a cancelled load or store returns only once its copies into or out of
+        vLLM's blocks have landed (the cache's contract), and vLLM reuses those blocks
+        the moment we return. Then it raises TransferError.
+        """
+        outcome: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        task: list[asyncio.Task] = []
+
+        def start() -> None:
+            task.append(self._loop.create_task(coro))
+            task[0].add_done_callback(lambda t: _settle(outcome, t))
+
+        self._loop.call_soon_threadsafe(start)
+        try:
+            return outcome.result(timeout)
+        except concurrent.futures.TimeoutError:
+            if outcome.done():  # the call itself raised TimeoutError
+                raise
+        self._loop.call_soon_threadsafe(lambda: task[0].cancel())  # after start: the loop runs callbacks in order
+        while True:
+            try:
+                return outcome.result(timeout)  # it finished between the timeout and the cancel
+            except concurrent.futures.CancelledError:
+                raise TransferError(f"tiered_kv call timed out after {timeout} s; it was cancelled and its "
+                                    "copies have landed") from None  # fmt: skip
+            except concurrent.futures.TimeoutError:
+                if outcome.done():
+                    raise
+                if not self._thread.is_alive():
+                    raise TransferError("tiered_kv: the cache's loop thread stopped during a call") from None
+                log.warning("tiered_kv: a call cancelled after %.0f s is still waiting for its copies", timeout)
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """Leading keys resident in some tier (being stored does not count); touches them."""
@@ -156,6 +198,15 @@ class CacheRuntime:
         self._thread.join(timeout=30)
         if not self._thread.is_alive():
             self._loop.close()
+
+
+def _settle(outcome: concurrent.futures.Future, task: asyncio.Task) -> None:
+    if task.cancelled():
+        outcome.cancel()
+    elif task.exception() is not None:
+        outcome.set_exception(task.exception())
+    else:
+        outcome.set_result(task.result())
 
 
 def _close_before_executors_exit(runtime: CacheRuntime) -> None:
