@@ -141,9 +141,10 @@ class ShardCopier:
     def wait(self, job_ids: Sequence[int], timeout_s: float | None = None) -> None:
         """Block until these jobs have finished on this rank (a fence: e.g. before preempted blocks are reused).
         Their outcome still comes from ``poll``."""
+        ids = {int(j) for j in job_ids}
         with self._lock:
-            if not self._lock.wait_for(lambda: self._running.isdisjoint(job_ids), timeout_s):
-                raise TransferError(f"rank {self.rank}: jobs {sorted(self._running.intersection(job_ids))} still "
+            if not self._lock.wait_for(lambda: self._running.isdisjoint(ids), timeout_s):
+                raise TransferError(f"rank {self.rank}: jobs {sorted(self._running & ids)} still "
                                     f"copying after {timeout_s} s")  # fmt: skip
 
     def drain(self, timeout_s: float | None = None) -> tuple[list[int], list[int]]:
