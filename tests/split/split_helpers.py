@@ -17,7 +17,8 @@ def shard_layout(num_blocks: int = 64) -> tkv.KVLayout:
     return tkv.KVLayout.from_block_bytes(list(REGIONS), num_blocks)
 
 
-def config(tmp_path, *, cpu_blocks: int = 16, disk_blocks: int = 0, world: int = WORLD, num_blocks: int = 64):
+def config(tmp_path, *, cpu_blocks: int = 16, disk_blocks: int = 0, world: int = WORLD, num_blocks: int = 64,
+           spill: str = "write_back"):  # fmt: skip
     cfg = {
         "model": {"model_id": "split-test", "bytes_per_block": world * SHARD},
         "gpu": {"num_blocks": num_blocks},
@@ -25,7 +26,8 @@ def config(tmp_path, *, cpu_blocks: int = 16, disk_blocks: int = 0, world: int =
                   "disk": {"enabled": False}},
     }
     if disk_blocks:
-        cfg["tiers"]["disk"] = {"enabled": True, "path": str(tmp_path / "disk"), "capacity": disk_blocks * world * SHARD}
+        cfg["tiers"]["disk"] = {"enabled": True, "path": str(tmp_path / "disk"), "capacity": disk_blocks * world * SHARD,
+                                "spill_policy": spill}  # fmt: skip
     return cfg
 
 
@@ -43,3 +45,17 @@ async def next_jobs(side, timeout: float = 10.0):
     side.jobs_ready.clear()
     await asyncio.sleep(0)
     return side.proxy.take_jobs()
+
+
+async def play_ranks(side, rows=None, timeout: float = 10.0):
+    """Every rank's part of the next job, done in this process: a store's rows are ``rows`` (written into the
+    segment as the ranks' copies would), a load's rows are returned (what the ranks would copy out)."""
+    (job,) = await next_jobs(side, timeout)
+    out = None
+    if rows is not None:
+        side.cache.slabs.slab_np[job.cpu_slots] = rows
+    else:
+        out = side.cache.slabs.slab_np[job.cpu_slots].copy()
+    for rank in range(side.proxy.world_size):
+        side.proxy.report(rank, [job.job_id])
+    return out

@@ -76,7 +76,7 @@ async def test_cancel_fails_only_the_requests_unsent_jobs():
     assert proxy.unfinished("r1") == 2 and proxy.unfinished("r2") == 1
     assert proxy.cancel_request("r1") == 1
     with pytest.raises(TransferError, match="cancelled before it was sent"):
-        await unsent
+        await asyncio.wait_for(asyncio.shield(unsent.future), 5)
     assert not sent.done() and not other.done()
     assert [j.job_id for j in proxy.take_jobs()] == [3]
     proxy.report(0, [1, 3])
@@ -101,7 +101,7 @@ async def test_a_cancelled_request_never_sends_a_later_job():
     with request_scope("r#1"):
         late = proxy.submit_store([1], [1])
     with pytest.raises(TransferError, match="cancelled request 'r#1' was never sent"):
-        await late
+        await asyncio.wait_for(asyncio.shield(late.future), 5)
     assert proxy.take_jobs() == [] and proxy.inflight == 0
     proxy.forget_request("r#1")
     with request_scope("r#1"):
@@ -148,7 +148,7 @@ async def test_a_store_a_rank_never_reports_is_discarded_and_its_slots_freed(tmp
     (job,) = await next_jobs(side)
     side.proxy.report(0, [job.job_id])
     with pytest.raises(TransferError, match=r"\[1\] did not report"):
-        await store
+        await asyncio.wait_for(store, 10)
     assert side.cache.lookup(keys).total == 0
     assert side.cache.manager.cpu.used == 0
     side.cache.check_invariants()
@@ -183,7 +183,7 @@ async def test_cancelling_a_requests_unsent_store_aborts_it_cleanly(tmp_path):
     assert side.proxy.unfinished("gone") == 1
     assert side.proxy.cancel_request("gone") == 1
     with pytest.raises(TransferError, match="cancelled before it was sent"):
-        await store
+        await asyncio.wait_for(store, 5)
     assert side.proxy.take_jobs() == []
     assert side.cache.lookup(keys).total == 0 and side.cache.manager.cpu.used == 0
     side.cache.check_invariants()

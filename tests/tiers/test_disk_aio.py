@@ -54,3 +54,29 @@ async def test_vectored_calls_run_one_per_run_on_the_tiers_own_threads(tmp_path,
     assert loop_thread not in threads
     assert threads and all(t.startswith("tkv-disk_") for t in threads), threads
     assert len(threads) <= 2  # tiers.disk.io_threads holds
+
+
+async def test_aclose_waits_for_the_batches_in_flight(tmp_path, monkeypatch):
+    """A batch is several aiofiles calls: aclose lets every batch under way end before its files close."""
+    keys = [key_of(i) for i in range(64)]
+    entered, gate, real = threading.Event(), threading.Event(), os.pwritev
+
+    def slow_pwritev(*args):  # a slow disk, at the syscall boundary
+        entered.set()
+        gate.wait(10)
+        return real(*args)
+
+    store = DiskStore(tmp_path, NS, 128)
+    await store.open()
+    monkeypatch.setattr(os, "pwritev", slow_pwritev)
+    writing = asyncio.ensure_future(put(store, range(64), keys))
+    assert await asyncio.to_thread(entered.wait, 10)  # the batch's data is on a disk thread now
+    closing = asyncio.ensure_future(store.aclose())
+    await asyncio.sleep(0.05)
+    gate.set()
+    await closing
+    assert writing.result().all()
+    monkeypatch.undo()
+    async with DiskStore(tmp_path, NS, 128) as store:
+        assert sorted(r.key for r in store.recovered) == sorted(keys)
+        assert await get(store, range(64), keys) == [payload(k, BPB) for k in keys]

@@ -22,6 +22,7 @@ from typing import Any
 from ..errors import ConfigError, LayoutError, TransferError
 from ..layout import KVLayout
 from ..loops import new_loop
+from ..tiers.pinning import HostRegistration, pin_chunks, warn_if_memlock_low
 from ..tiers.shared_cpu import SegmentInfo, SharedSegment
 from ..transfer.base import CopyEngine, compute_event
 from ..transfer.numpy_rows import NumpyRowEngine
@@ -33,7 +34,8 @@ log = logging.getLogger(__name__)
 class ShardCopier:
     """Copies rank ``rank``'s shard of the jobs it is given (see the module docstring)."""
 
-    def __init__(self, layout: KVLayout, *, rank: int, world_size: int, engine: str = "auto") -> None:
+    def __init__(self, layout: KVLayout, *, rank: int, world_size: int, engine: str = "auto",
+                 pin_chunk: int = 1 << 30) -> None:  # fmt: skip
         if not isinstance(layout, KVLayout) or not layout.is_bound:
             raise LayoutError("ShardCopier needs this rank's layout bound to its KV tensors (KVLayout.from_tensors)")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -49,9 +51,10 @@ class ShardCopier:
         self.rank = rank
         self.world_size = world_size
         self.kind = engine
+        self.pin_chunk = pin_chunk  # tiers.cpu.pin_chunk: CUDA registers the segment's rows in chunks of this size
         self.segment: SharedSegment | None = None
         self._engine: CopyEngine | None = None
-        self._pinned: Any = None
+        self._pinned: HostRegistration | None = None
         self._lock = threading.Condition()
         self._pending = 0
         self._ok: list[int] = []
@@ -104,8 +107,8 @@ class ShardCopier:
             return NumpyRowEngine(gpu, cpu)
         from ..transfer.cuda import CUDAStreamEngine
 
-        self._pinned = _pin(seg)
-        return CUDAStreamEngine(gpu, cpu)
+        self._pinned, dma_rows = _pin(seg, self.layout.device, self.pin_chunk)
+        return CUDAStreamEngine(gpu, cpu, dma_rows=dma_rows)
 
     # -- the step's calls (any thread, never blocking) ------------------------------------------
     def submit(self, jobs: Sequence[ShardJob]) -> None:
@@ -138,9 +141,10 @@ class ShardCopier:
     def wait(self, job_ids: Sequence[int], timeout_s: float | None = None) -> None:
         """Block until these jobs have finished on this rank (a fence: e.g. before preempted blocks are reused).
         Their outcome still comes from ``poll``."""
+        ids = {int(j) for j in job_ids}
         with self._lock:
-            if not self._lock.wait_for(lambda: self._running.isdisjoint(job_ids), timeout_s):
-                raise TransferError(f"rank {self.rank}: jobs {sorted(self._running.intersection(job_ids))} still "
+            if not self._lock.wait_for(lambda: self._running.isdisjoint(ids), timeout_s):
+                raise TransferError(f"rank {self.rank}: jobs {sorted(self._running & ids)} still "
                                     f"copying after {timeout_s} s")  # fmt: skip
 
     def drain(self, timeout_s: float | None = None) -> tuple[list[int], list[int]]:
@@ -196,9 +200,7 @@ class ShardCopier:
     def _unpin(self) -> None:
         pinned, self._pinned = self._pinned, None
         if pinned is not None:
-            import torch
-
-            torch.cuda.cudart().cudaHostUnregister(pinned)
+            pinned.release()
 
 
 def _compute_event() -> Any:
@@ -207,14 +209,20 @@ def _compute_event() -> Any:
     return compute_event(torch.cuda.current_stream())
 
 
-def _pin(seg: SharedSegment) -> int:
-    """Page-lock this process's mapping of the segment (the CUDA engine's DMAs need it); returns its address."""
-    import torch
-
-    ptr = seg.rows.ctypes.data
-    nbytes = seg.rows.nbytes
-    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
-    if int(err) != 0:
-        raise TransferError(f"cudaHostRegister of the shared CPU segment ({nbytes} bytes) failed with error "
-                            f"{int(err)}; check RLIMIT_MEMLOCK")  # fmt: skip
-    return ptr
+def _pin(seg: SharedSegment, device: Any, chunk: int) -> tuple[HostRegistration, int | None]:
+    """Page-lock this process's mapping of the segment's rows by the CPU tier's rules (tiers/pinning.py:
+    chunks of whole pages and rows); returns the registration and the rows per chunk (a DMA never
+    crosses a chunk's edge)."""
+    nbytes, row = seg.rows.nbytes, seg.info.row_bytes
+    warn_if_memlock_low(nbytes)
+    chunks = pin_chunks(nbytes, row, max(chunk, 1 << 20))
+    registration = HostRegistration(device)
+    base = seg.rows.ctypes.data  # page-aligned: the rows start one header page into the mapping
+    try:
+        for start, size in chunks:
+            registration.register(base + start, size, what=f"offset {start} of the shared CPU tier segment "
+                                                           f"{seg.info.path}")  # fmt: skip
+    except BaseException:
+        registration.release()
+        raise
+    return registration, (chunks[0][1] // row if len(chunks) > 1 else None)

@@ -153,8 +153,11 @@ class Journal:
             if self.fsync:
                 await self.calls.fdatasync(self.fd)
         except OSError:
-            try:  # cut what got written and go back to the record boundary
+            try:  # cut what got written ...
                 await self.file.truncate(self.size)
+            except OSError:
+                pass
+            try:  # ... and in any case append at the record boundary next time
                 await self.file.seek(self.size)
             except OSError:
                 pass

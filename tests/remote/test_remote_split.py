@@ -1,0 +1,65 @@
+"""The remote tier over the split's shared segment: a whole TP group's row goes to Redis and comes back.
+
+No workers here: the test writes the ranks' shards into the segment rows itself (what the workers'
+copies do) and reports the jobs done; test_split_e2e.py runs real worker processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+import tiered_kv as tkv
+from tiered_kv.split.scheduler import open_scheduler_cache
+
+SHARD, WORLD = 1024, 2
+
+
+def cfg(tmp_path, url):
+    return {"model": {"model_id": "split-remote", "bytes_per_block": WORLD * SHARD}, "gpu": {"num_blocks": 32},
+            "tiers": {"cpu": {"capacity": 8 * WORLD * SHARD, "shared_path": str(tmp_path)},
+                      "disk": {"enabled": False}, "remote": {"enabled": True, "url": url}}}  # fmt: skip
+
+
+async def play_workers(side, fill=None):
+    """One step of every rank: take the queued job, copy (into the rows: ``fill``; out of them: read), report."""
+    for _ in range(2000):
+        jobs = side.proxy.take_jobs()
+        if jobs:
+            (job,) = jobs
+            out = None
+            if fill is not None:
+                side.cache.slabs.slab_np[job.cpu_slots] = fill
+            else:
+                out = side.cache.slabs.slab_np[job.cpu_slots].copy()
+            for rank in range(WORLD):
+                side.proxy.report(rank, [job.job_id])
+            return out
+        await asyncio.sleep(0.005)
+    raise AssertionError("no job was queued")
+
+
+async def test_a_tp_groups_rows_round_trip_through_redis(redis_server, tmp_path):
+    layout = tkv.KVLayout.from_block_bytes([768, 256], 32)
+    rows = np.random.default_rng(3).integers(0, 256, (3, WORLD * SHARD), dtype=np.uint8)
+    first = await open_scheduler_cache(cfg(tmp_path, redis_server.url), layout, world_size=WORLD, engine_id="one")
+    keys = first.keyer.keys_for_block_ids(range(3))
+    store = asyncio.ensure_future(first.cache.store(keys, [4, 5, 6]))
+    await play_workers(first, fill=rows)
+    assert (await store).stored == 3
+    for _ in range(400):  # write-through to Redis runs in the background
+        if len(first.cache.remote.residency) >= 3:
+            break
+        await asyncio.sleep(0.01)
+    await first.aclose()
+
+    second = await open_scheduler_cache(cfg(tmp_path, redis_server.url), layout, world_size=WORLD, engine_id="two")
+    assert second.keyer.keys_for_block_ids(range(3)) == keys  # same group namespace, another engine instance
+    hit = await second.cache.probe(keys)
+    assert hit.remote == 3
+    load = asyncio.ensure_future(second.cache.load(keys, [7, 8, 9]))
+    got = await play_workers(second)
+    assert await load == 3
+    assert np.array_equal(got, rows)  # every rank's shard came back, byte-exact
+    await second.aclose()
