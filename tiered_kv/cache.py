@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from .backpressure import ByteBudget
-from .capacity import remote_blocks, tier_slots
+from .capacity import cpu_rows, promote_chunk, remote_blocks, staging_rows, tier_slots
 from .config import Config, check_capacities, load_config
 from .errors import BlockIdError, HintError, LayoutError
 from .identity import disk_namespace, make_keyer, remote_namespace
@@ -36,7 +36,6 @@ from .transfer import CopyEngine, make_engine
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-STAGING_BYTES = 64 << 20  # at most this much slab beside the CPU tier for exclusive loads' disk/remote hits
 
 
 class TieredKVCache(Moves, Lifecycle):
@@ -55,10 +54,16 @@ class TieredKVCache(Moves, Lifecycle):
         rank: int = 0,
         world_size: int = 1,
         shard_id: str | None = None,
+        slabs_factory: Callable[[KVLayout, int], Any] | None = None,
+        engine_factory: Callable[[Any], Any] | None = None,
     ):
         self.config = cfg = load_config(config)
-        if not isinstance(layout, KVLayout) or not layout.is_bound:
+        if not isinstance(layout, KVLayout) or not (layout.is_bound or engine_factory is not None):
             raise LayoutError("TieredKVCache needs a layout bound to the KV tensors (KVLayout.from_tensors or bind)")
+        # Injected by a scheduler process (split/scheduler.py): its slab is the shared segment and its
+        # engine sends the copies to the workers; everything else is this same cache.
+        self._slabs_factory = slabs_factory or self._local_slabs
+        self._engine_factory = engine_factory
         check_capacities(cfg, layout.bytes_per_block)
         self.layout = layout
         self.metrics = metrics or CacheMetrics()
@@ -66,12 +71,8 @@ class TieredKVCache(Moves, Lifecycle):
         # scheduler process uses (identity.make_keyer, capacity.tier_slots).
         self.keyer = make_keyer(cfg, layout, rank=rank, world_size=world_size, shard_id=shard_id)
         self._key_bytes = self.keyer.key_bytes
-        self._slots = slots = tier_slots(cfg, layout)
-        # Promotions per chunk: a prefix longer than the CPU tier loads through it in chunks.
-        budget_blocks = max(1, cfg.transfer.max_inflight_bytes // layout.bytes_per_block)
-        self._max_promote = max(1, min(slots["cpu"] // 2, budget_blocks))
-        # Staging rows for exclusive loads (beside the CPU tier's slots, not part of its capacity).
-        self._staging = min(self._max_promote, max(1, STAGING_BYTES // layout.bytes_per_block))
+        self._slots = tier_slots(cfg, layout)
+        self._max_promote, self._staging = promote_chunk(cfg, layout), staging_rows(cfg, layout)
         self.manager = self._new_manager()
         self.metrics.track_used_slots("cpu", lambda: self.manager.cpu.used)
         if self.manager.disk is not None:
@@ -107,10 +108,12 @@ class TieredKVCache(Moves, Lifecycle):
         cfg = self.config
         loop = asyncio.get_running_loop()
         # Allocating and pinning a large slab takes seconds: keep it off the loop.
-        rows = self._slots["cpu"] + self._staging
-        self.slabs = await loop.run_in_executor(None, lambda: CpuSlabs(
-            self.layout, rows, pin=cfg.tiers.cpu.pin_memory, pin_chunk=cfg.tiers.cpu.pin_chunk))  # fmt: skip
-        self._engine = engine = make_engine(cfg.transfer.engine, list(self.layout.regions), self.slabs.regions)
+        rows = cpu_rows(cfg, self.layout)  # the same number a shared segment is sized by
+        self.slabs = await loop.run_in_executor(None, self._slabs_factory, self.layout, rows)
+        if self._engine_factory is not None:
+            self._engine = engine = self._engine_factory(self.slabs)
+        else:
+            self._engine = engine = make_engine(cfg.transfer.engine, list(self.layout.regions), self.slabs.regions)
         self.mover.register("gpu", "cpu", store_handler(engine))
         self.mover.register("cpu", "gpu", load_handler(engine))
         if self._disk_ns is not None:
@@ -130,6 +133,10 @@ class TieredKVCache(Moves, Lifecycle):
             self.mover.register("remote", "cpu", remote.read)
             self.manager.remote_known = remote.known
             self.manager.remote_write = cfg.tiers.remote.write
+
+    def _local_slabs(self, layout: KVLayout, rows: int) -> CpuSlabs:
+        cpu = self.config.tiers.cpu
+        return CpuSlabs(layout, rows, pin=cpu.pin_memory, pin_chunk=cpu.pin_chunk)
 
     def _disk_degraded(self) -> None:
         self.manager.disk_writable = False

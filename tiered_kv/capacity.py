@@ -17,6 +17,25 @@ def tier_slots(cfg: Config, layout: KVLayout) -> dict[str, int]:
     return slots
 
 
+STAGING_BYTES = 64 << 20  # at most this much slab beside the CPU tier for exclusive loads' disk/remote hits
+
+
+def promote_chunk(cfg: Config, layout: KVLayout) -> int:
+    """Blocks promoted per chunk: a prefix longer than the CPU tier loads through it in chunks."""
+    budget_blocks = max(1, cfg.transfer.max_inflight_bytes // layout.bytes_per_block)
+    return max(1, min(layout.slots_for(cfg.tiers.cpu.capacity) // 2, budget_blocks))
+
+
+def staging_rows(cfg: Config, layout: KVLayout) -> int:
+    """Rows beside the CPU tier's slots (not part of its capacity) that exclusive loads stage through."""
+    return min(promote_chunk(cfg, layout), max(1, STAGING_BYTES // layout.bytes_per_block))
+
+
+def cpu_rows(cfg: Config, layout: KVLayout) -> int:
+    """Rows of the CPU slab a cache allocates: its slots plus its staging rows (a shared segment's size)."""
+    return tier_slots(cfg, layout)["cpu"] + staging_rows(cfg, layout)
+
+
 def remote_blocks(cfg: Config, layout: KVLayout) -> int:
     """Blocks the remote tier's capacity holds (each value is a header plus the block); an estimate for
     the plan and the residency filter's size: Redis's own maxmemory policy decides what it keeps."""

@@ -42,6 +42,14 @@ class CpuTierConfig(Section):
     pin_memory: Annotated[Literal["auto", "on", "off"], BeforeValidator(_on_off)] = "auto"
     pin_chunk: ByteSize = parse_size("1GiB")
     allow_overcommit: bool = False  # skip the check that the tiers' memory fits in MemAvailable
+    # The directory (a tmpfs or hugetlbfs) of the shared-memory segment when the CPU tier is shared
+    # between a scheduler and its workers (the vLLM connector); the single-process cache ignores it.
+    shared_path: str = "/dev/shm"
+
+    @field_validator("shared_path")
+    @classmethod
+    def _expanded(cls, path: str) -> str:
+        return expand_path(path)
 
 
 class DiskTierConfig(Section):

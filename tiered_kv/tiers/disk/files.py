@@ -28,24 +28,25 @@ _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC
 
 
-def _owner_problem(st: os.stat_result, path: str, what: str) -> DiskError | None:
+def _owner_problem(st: os.stat_result, path: str, what: str, setting: str = "tiers.disk.path") -> DiskError | None:
     euid = os.geteuid()
     if st.st_uid != euid:
         return DiskError(errno.EPERM, f"{what} is owned by uid {st.st_uid}, not by this process (euid {euid}); "
                          f"whoever can write it can serve KV blocks. Fix: chown {euid} {path} "
-                         f"(or point tiers.disk.path elsewhere)", path)
+                         f"(or point {setting} elsewhere)", path)
     return None
 
 
-def check_trusted_dir(st: os.stat_result, path: str) -> None:
+def check_trusted_dir(st: os.stat_result, path: str, *, what: str = "disk tier directory",
+                      setting: str = "tiers.disk.path") -> None:  # fmt: skip
     """Refuse a directory another user could write into (owner, group/other write bits)."""
     if not stat.S_ISDIR(st.st_mode):
-        raise DiskError(errno.ENOTDIR, "disk tier path is not a directory", path)
-    if (err := _owner_problem(st, path, "disk tier directory")) is not None:
+        raise DiskError(errno.ENOTDIR, f"{setting} is not a directory", path)
+    if (err := _owner_problem(st, path, what, setting)) is not None:
         raise err
     mode = stat.S_IMODE(st.st_mode)
     if mode & 0o022:
-        raise DiskError(errno.EPERM, f"disk tier directory has mode {mode:04o}: writable by group or others, "
+        raise DiskError(errno.EPERM, f"{what} has mode {mode:04o}: writable by group or others, "
                         f"who could plant blocks in it. Fix: chmod go-w {path} (0700 is what tiered_kv "
                         f"creates)", path)
 
@@ -75,7 +76,8 @@ def open_trusted_dir(name: str, *, path: str, follow: bool, dir_fd: int | None =
     return fd
 
 
-def open_regular(name: str, flags: int, *, dir_fd: int, path: str, mode: int = 0o600, strict: bool = True) -> int:
+def open_regular(name: str, flags: int, *, dir_fd: int, path: str, mode: int = 0o600, strict: bool = True,
+                 what: str = "disk tier file", setting: str = "tiers.disk.path") -> int:  # fmt: skip
     """Open ``name`` under ``dir_fd``: never through a symlink, never blocking on a FIFO; then require a
     regular file and, when ``strict`` (files we write or trust), one of ours with exactly one link.
     DiskError naming ``path`` otherwise."""
@@ -83,8 +85,7 @@ def open_regular(name: str, flags: int, *, dir_fd: int, path: str, mode: int = 0
         fd = os.open(name, flags | _NOFOLLOW | _NONBLOCK | _CLOEXEC, mode, dir_fd=dir_fd)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise DiskError(errno.ELOOP, "is a symlink; the disk tier never follows links inside its directory",
-                            path) from e
+            raise DiskError(errno.ELOOP, f"is a symlink; tiered_kv never follows links to a {what}", path) from e
         if e.errno == errno.ENXIO:  # O_WRONLY | O_NONBLOCK on a FIFO without a reader
             raise DiskError(errno.EINVAL, "not a regular file (a FIFO or device)", path) from e
         raise
@@ -95,8 +96,8 @@ def open_regular(name: str, flags: int, *, dir_fd: int, path: str, mode: int = 0
                             f"directory); remove it", path)
         if strict and st.st_nlink != 1:
             raise DiskError(errno.EMLINK, f"has {st.st_nlink} hard links; writing it would change another "
-                            f"file too. Remove it (the disk tier recreates it)", path)
-        if strict and (err := _owner_problem(st, path, "disk tier file")) is not None:
+                            f"file too. Remove it (tiered_kv recreates it)", path)
+        if strict and (err := _owner_problem(st, path, what, setting)) is not None:
             raise err
         if _NONBLOCK:  # only there for the open itself; regular-file I/O ignores it, but say what we mean
             os.set_blocking(fd, True)

@@ -1,0 +1,13 @@
+"""A process that opens a shared CPU tier segment as its scheduler, fills it, says where it is, then waits."""
+
+import sys
+
+from tiered_kv.tiers.shared_cpu import SegmentInfo, SharedSegment
+
+if __name__ == "__main__":
+    directory, name = sys.argv[1], sys.argv[2]
+    info = SegmentInfo.for_engine(directory, name, world_size=2, shard_bytes=4096, num_slots=8)
+    seg = SharedSegment.open(info, scheduler=True)
+    seg.rows[:] = 0xAB
+    print(seg.info.path, flush=True)
+    sys.stdin.read()  # until killed (or stdin closes)

@@ -1,0 +1,247 @@
+"""ShardCopier: a TP rank's copies between its GPU KV tensors and its shard of the shared CPU segment.
+
+The worker holds no bookkeeping: it maps the scheduler's segment, checks that its own per-rank bytes
+per block is the scheduler's (LayoutError naming both otherwise), issues the jobs it is sent without
+waiting for them, and hands back which finished at its next ``poll``.
+
+The copies run on a copy engine over (this rank's registered KV views, this rank's shard of each slot),
+driven by an event loop on a thread the copier owns, so ``submit`` and ``poll`` never block the model's
+thread. Host copies are numpy row copies (transfer/numpy_rows.py: no torch intra-op pool in a foreign
+thread). CUDA copies use CUDAStreamEngine; the compute event is recorded in the caller's thread, on the
+stream the model ran on, and the copy stream waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import ConfigError, LayoutError, TransferError
+from ..layout import KVLayout
+from ..tiers.shared_cpu import SegmentInfo, SharedSegment
+from ..transfer.base import CopyEngine
+from ..transfer.numpy_rows import NumpyRowEngine
+from .jobs import STORE, ShardJob
+
+log = logging.getLogger(__name__)
+
+
+class ShardCopier:
+    """Copies rank ``rank``'s shard of the jobs it is given (see the module docstring)."""
+
+    def __init__(self, layout: KVLayout, *, rank: int, world_size: int, engine: str = "auto") -> None:
+        if not isinstance(layout, KVLayout) or not layout.is_bound:
+            raise LayoutError("ShardCopier needs this rank's layout bound to its KV tensors (KVLayout.from_tensors)")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise LayoutError(f"rank must be in [0, world_size): rank={rank!r}, world_size={world_size!r}")
+        if engine == "auto":
+            engine = "cuda" if layout.device.type == "cuda" else "host"
+        if engine not in ("host", "cuda"):
+            raise ConfigError(f"transfer.engine must be auto, host or cuda for a worker; got {engine!r}")
+        if engine == "cuda" and world_size > 1:
+            raise ConfigError("transfer.engine: cuda copies into a rank-interleaved segment (world_size > 1) need "
+                              "strided host rows, which CUDAStreamEngine does not do yet; use the host engine")  # fmt: skip
+        self.layout = layout
+        self.rank = rank
+        self.world_size = world_size
+        self.kind = engine
+        self.segment: SharedSegment | None = None
+        self._engine: CopyEngine | None = None
+        self._pinned: Any = None
+        self._lock = threading.Condition()
+        self._pending = 0
+        self._ok: list[int] = []
+        self._failed: list[int] = []
+        self._running: set[int] = set()  # submitted and not finished (for ``wait``)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"tiered-kv-copier-{rank}", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    # -- setup ------------------------------------------------------------------------------
+    def open(self, info: SegmentInfo) -> None:
+        """Create or attach to the engine's segment (idempotent for the same one) and build the copy engine.
+
+        ``info`` is computed from this rank's own numbers (split.scheduler.segment_info_for with its bound
+        layout), so a segment another rank or the scheduler made for other per-rank bytes per block is
+        refused with both numbers (LayoutError).
+        """
+        if self.segment is not None:
+            if self.segment.info == info:
+                return
+            raise LayoutError(f"rank {self.rank} is attached to {self.segment.info.path}; it cannot switch to "
+                              f"{info.path}")  # fmt: skip
+        if info.world_size != self.world_size:
+            raise LayoutError(f"the scheduler's segment is for world_size {info.world_size} but this worker is "
+                              f"rank {self.rank} of {self.world_size}")  # fmt: skip
+        if info.shard_bytes != self.layout.bytes_per_block:
+            raise LayoutError(f"TP rank {self.rank}: its KV tensors give {self.layout.bytes_per_block} bytes per block "
+                              f"but the segment info says {info.shard_bytes}")  # fmt: skip
+        seg = SharedSegment.open(info)
+        try:
+            import torch
+
+            shard = torch.from_numpy(seg.shard(self.rank))
+            cpu, offset = [], 0
+            for block_bytes in self.layout.region_block_bytes:
+                cpu.append(shard[:, offset : offset + block_bytes])
+                offset += block_bytes
+            self._engine = self._run(self._build(list(self.layout.regions), cpu, seg))
+        except BaseException:
+            self._unpin()
+            seg.close()
+            raise
+        self.segment = seg
+
+    attach = open
+
+    async def _build(self, gpu: list, cpu: list, seg: SharedSegment) -> CopyEngine:
+        if self.kind == "host":
+            return NumpyRowEngine(gpu, cpu)
+        from ..transfer.cuda import CUDAStreamEngine
+
+        self._pinned = _pin(seg)
+        return CUDAStreamEngine(gpu, cpu)
+
+    # -- the step's calls (any thread, never blocking) ------------------------------------------
+    def submit(self, jobs: Sequence[ShardJob]) -> None:
+        """Issue the jobs (in order per direction) and return at once; their outcome comes from ``poll``."""
+        if not jobs:
+            return
+        if self._engine is None or self._closed:
+            raise TransferError(f"rank {self.rank}: submit before attach() or after close()")
+        ready = _compute_event() if self.kind == "cuda" else None
+        with self._lock:
+            self._pending += len(jobs)
+            self._running.update(j.job_id for j in jobs)
+        self._loop.call_soon_threadsafe(self._issue, list(jobs), ready)
+
+    def poll(self) -> tuple[list[int], list[int]]:
+        """(ok job ids, failed job ids) finished since the last poll."""
+        with self._lock:
+            ok, failed = self._ok, self._failed
+            self._ok, self._failed = [], []
+        return ok, failed
+
+    @property
+    def pending(self) -> int:
+        """Jobs submitted whose copy has not finished."""
+        with self._lock:
+            return self._pending
+
+    def wait(self, job_ids: Sequence[int], timeout_s: float | None = None) -> None:
+        """Block until these jobs have finished on this rank (a fence: e.g. before preempted blocks are reused).
+        Their outcome still comes from ``poll``."""
+        with self._lock:
+            if not self._lock.wait_for(lambda: self._running.isdisjoint(job_ids), timeout_s):
+                raise TransferError(f"rank {self.rank}: jobs {sorted(self._running.intersection(job_ids))} still "
+                                    f"copying after {timeout_s} s")  # fmt: skip
+
+    def drain(self, timeout_s: float | None = None) -> tuple[list[int], list[int]]:
+        """Wait until every submitted job has finished (a flush fence), then ``poll``."""
+        with self._lock:
+            if not self._lock.wait_for(lambda: self._pending == 0, timeout_s):
+                raise TransferError(f"rank {self.rank}: {self._pending} jobs still copying after {timeout_s} s")
+        return self.poll()
+
+    def close(self) -> None:
+        """Wait for every copy, then stop the engine and the loop and detach. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._engine is not None:
+                self._run(self._engine.aclose())  # waits for every in-flight copy first
+                self._engine = None
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            if not self._thread.is_alive():
+                self._loop.close()
+            self._unpin()
+            if self.segment is not None:
+                self.segment.close()
+
+    # -- on the copier's loop -----------------------------------------------------------------
+    def _issue(self, jobs: list[ShardJob], ready: Any) -> None:
+        stream = _ordering_stream(ready)
+        for job in jobs:
+            try:
+                with stream:
+                    if job.direction == STORE:
+                        handle = self._engine.submit_store(job.gpu_ids, job.cpu_slots)
+                    else:
+                        handle = self._engine.submit_load(job.cpu_slots, job.gpu_ids)
+            except Exception as exc:  # a bad id or a closed engine: nothing was queued
+                log.error("tiered_kv rank %d: job %d could not start: %s", self.rank, job.job_id, exc)
+                self._finished(job.job_id, False)
+                continue
+            handle.future.add_done_callback(lambda f, jid=job.job_id: self._finished(
+                jid, not f.cancelled() and f.exception() is None))  # fmt: skip
+
+    def _finished(self, job_id: int, ok: bool) -> None:
+        with self._lock:
+            (self._ok if ok else self._failed).append(job_id)
+            self._pending -= 1
+            self._running.discard(job_id)
+            self._lock.notify_all()
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _unpin(self) -> None:
+        pinned, self._pinned = self._pinned, None
+        if pinned is not None:
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(pinned)
+
+
+def _compute_event() -> Any:
+    """An event on the caller's current (compute) stream: the copies wait for what it queued so far."""
+    import torch
+
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream())
+    return event
+
+
+class _NoStream:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _ordering_stream(ready: Any) -> Any:
+    """A stream context on the copier's thread that first waits for ``ready``: the engine records its own
+    start event on the current stream, so its copy stream waits for the model's kernels."""
+    if ready is None:
+        return _NoStream()
+    import torch
+
+    stream = _ORDER.get("stream")
+    if stream is None:
+        stream = _ORDER["stream"] = torch.cuda.Stream()
+    stream.wait_event(ready)
+    return torch.cuda.stream(stream)
+
+
+_ORDER: dict[str, Any] = {}
+
+
+def _pin(seg: SharedSegment) -> int:
+    """Page-lock this process's mapping of the segment (the CUDA engine's DMAs need it); returns its address."""
+    import torch
+
+    ptr = seg.rows.ctypes.data
+    nbytes = seg.rows.nbytes
+    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+    if int(err) != 0:
+        raise TransferError(f"cudaHostRegister of the shared CPU segment ({nbytes} bytes) failed with error "
+                            f"{int(err)}; check RLIMIT_MEMLOCK")  # fmt: skip
+    return ptr
