@@ -1,24 +1,18 @@
-"""The worker's TieredKVCache, run on an event loop in a thread this plug-in owns.
+"""The loop thread the scheduler-side cache lives on, and the connector's config.
 
-vLLM calls its connector synchronously from the engine's own thread. Every
-cache call is sent to the loop thread and waited for there, so the cache's
-bookkeeping stays single-threaded as the library requires, and a load or store
-has finished (or failed) before the connector returns to vLLM: the engine may
-reuse those GPU blocks the moment it gets control back.
-
-Residency lives here, in the worker. A scheduler in the same process (vLLM's
-in-process executor, one worker) finds this runtime through ``find_runtime``
-and asks it directly; see connector.py for what happens otherwise.
+vLLM calls its connector synchronously from the engine's own thread. The
+scheduler half runs its TieredKVCache on an asyncio loop in a thread it owns:
+quick calls (a residency lookup, no I/O) are sent there and waited for; stores
+and loads are started there and never waited for by vLLM's thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import concurrent.futures
 import logging
 import threading
-from collections import Counter
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +21,10 @@ import yaml
 from ... import load_config
 from ...config import Config
 from ...errors import ConfigError
-from ...layout import KVLayout
 
 log = logging.getLogger(__name__)
 
-_RUNTIMES: dict[str, CacheRuntime] = {}
+_RUNTIMES: dict[str, Any] = {}
 _RUNTIMES_LOCK = threading.Lock()
 
 CALL_TIMEOUT_S = 120.0  # a load or store that takes longer is a fault, reported as one
@@ -70,92 +63,28 @@ def resolve_config(raw: Any, model_id: str, revision: str | None, bytes_per_bloc
     return load_config(data)
 
 
-class CacheRuntime:
-    """One TieredKVCache plus the loop thread it lives on."""
+class LoopThread:
+    """An asyncio loop on a daemon thread; ``call`` waits for a coroutine, ``submit`` does not."""
 
-    def __init__(self, cfg: Config, layout: KVLayout, *, rank: int = 0, world_size: int = 1) -> None:
-        from ... import TieredKVCache
-
+    def __init__(self, name: str = "tiered-kv-vllm") -> None:
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="tiered-kv-vllm", daemon=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
         self._thread.start()
-        self._closed = False
-        self.counters: Counter[str] = Counter()  # loaded / load_error / stored blocks, for stats and tests
 
-        async def build() -> Any:
-            cache = TieredKVCache(cfg, layout, rank=rank, world_size=world_size)
-            await cache.start()
-            return cache
-
-        try:
-            self.cache = self.call(build())
-        except BaseException:
-            self._stop_loop()
-            raise
-        self.keyer = self.cache.keyer
-        self.key = ""
-        self.stats_file: str | None = None  # kv_connector_extra_config.stats_file: final stats, written at close
-        _close_before_executors_exit(self)
-
-    # -- calls from vLLM's threads --------------------------------------------------------
     def call(self, coro: Coroutine[Any, Any, Any], timeout: float = CALL_TIMEOUT_S) -> Any:
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        return future.result(timeout)
+        return self.submit(coro).result(timeout)
 
-    def lookup(self, keys: Sequence[bytes]) -> int:
-        """Leading keys resident in some tier (being stored does not count); touches them."""
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
-        async def run() -> int:
-            hit = self.cache.lookup(keys).total
-            if hit:
-                self.cache.touch(list(keys[:hit]))  # make the promised blocks the last to go
-            return hit
-
-        return self.call(run()) if keys else 0
-
-    def load(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
-        return self.call(self.cache.load(list(keys), list(block_ids)))
-
-    def store(self, keys: Sequence[bytes], block_ids: Sequence[int], prefix: Sequence[bytes] = ()) -> Any:
-        return self.call(self.cache.store(list(keys), list(block_ids), prefix=list(prefix)))
-
-    def stats(self) -> dict[str, Any]:
-        async def run() -> dict[str, Any]:
-            return self.cache.stats()
-
-        return self.call(run())
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self.stats_file:
-            self._write_stats(self.stats_file)
-        with _RUNTIMES_LOCK:
-            if _RUNTIMES.get(self.key) is self:
-                del _RUNTIMES[self.key]
-        try:
-            self.call(self.cache.aclose())
-        except Exception:  # closing must never take the engine down with it
-            log.exception("tiered_kv: closing the cache failed")
-        finally:
-            self._stop_loop()
-
-    def _write_stats(self, path: str) -> None:
-        try:
-            report = {"counters": dict(self.counters), "stats": self.stats()}
-            Path(path).write_text(json.dumps(report, default=str))
-        except Exception:  # a report is not worth failing a shutdown for
-            log.exception("tiered_kv: writing stats to %s failed", path)
-
-    def _stop_loop(self) -> None:
+    def stop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
         if not self._thread.is_alive():
             self._loop.close()
 
 
-def _close_before_executors_exit(runtime: CacheRuntime) -> None:
+def close_before_executors_exit(close: Callable[[], None]) -> None:
     """Close (flushing the disk tier) before concurrent.futures stops its executors at exit.
 
     vLLM may shut the connector down from a finalizer that runs after those
@@ -166,24 +95,29 @@ def _close_before_executors_exit(runtime: CacheRuntime) -> None:
     if register is None:  # not CPython: the plain atexit hook is the best there is
         import atexit
 
-        atexit.register(runtime.close)
+        atexit.register(close)
     else:
-        register(runtime.close)
+        register(close)
 
 
-def publish_runtime(key: str, runtime: CacheRuntime) -> None:
-    """Make the worker's runtime visible to a scheduler-side connector in this process."""
-    runtime.key = key
+def publish_runtime(key: str, runtime: Any) -> None:
+    """Register a scheduler half under its engine id (tests and the bench read its stats in-process)."""
     with _RUNTIMES_LOCK:
         _RUNTIMES[key] = runtime
 
 
-def find_runtime(key: str) -> CacheRuntime | None:
+def find_runtime(key: str) -> Any:
     with _RUNTIMES_LOCK:
         return _RUNTIMES.get(key)
 
 
-def all_runtimes() -> list[CacheRuntime]:
+def unpublish_runtime(key: str, runtime: Any) -> None:
+    with _RUNTIMES_LOCK:
+        if _RUNTIMES.get(key) is runtime:
+            del _RUNTIMES[key]
+
+
+def all_runtimes() -> list[Any]:
     """Every live runtime in this process (tests and the bench read their stats)."""
     with _RUNTIMES_LOCK:
         return list(_RUNTIMES.values())
