@@ -2,7 +2,8 @@
 
 Usage: python engine_proc.py SPEC_JSON_FILE. The spec names the model dir, the
 tiered_kv config (absent: no connector, the baseline) and the steps:
-``{"generate": [[ids...], ...]}`` (one batch through LLM.generate),
+``{"generate": [[ids...], ...]}`` (one batch through LLM.generate; ``"hints"`` adds
+``kv_transfer_params={"tiered_kv": hints}`` to its requests),
 ``{"reset": true}`` (llm.reset_prefix_cache()) or ``{"concurrent": [[ids...], ...]}``
 (all at once through AsyncLLM; the spec then sets ``"async": true``).
 ``"hold": true`` prints the report and then sleeps with the engine alive (to be killed).
@@ -32,7 +33,7 @@ def engine_args(spec: dict) -> dict:
     from vllm.config import KVTransferConfig
 
     args = dict(model=spec["model"], enforce_eager=True, block_size=32, max_model_len=1024,
-                skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+                skip_tokenizer_init=True, dtype="bfloat16", seed=0, disable_log_stats=not spec.get("log_stats"),
                 tensor_parallel_size=spec.get("tp", 1))  # fmt: skip
     for key, arg in (("max_num_seqs", "max_num_seqs"), ("num_gpu_blocks", "num_gpu_blocks_override"),
                      ("max_num_batched_tokens", "max_num_batched_tokens"), ("max_model_len", "max_model_len")):
@@ -50,7 +51,12 @@ def engine_args(spec: dict) -> dict:
 
 
 def result(out) -> dict:
-    return {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0}
+    res = {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0}
+    m = getattr(out, "metrics", None)  # with "log_stats": the engine core's timestamps
+    if m is not None and m.num_generation_tokens > 1:
+        res["decode_s"] = (m.last_token_ts - m.first_token_ts) / (m.num_generation_tokens - 1)
+        res["preemptions"] = m.num_preemptions
+    return res
 
 
 def run_sync(spec: dict) -> list:
@@ -66,7 +72,11 @@ def run_sync(spec: dict) -> list:
             llm.reset_prefix_cache()
         else:
             t = time.monotonic()
-            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in step["generate"]], sp, use_tqdm=False)
+            params = sp
+            if step.get("hints"):  # kv_transfer_params {"tiered_kv": {...}} for every request of the step
+                params = sp.clone()
+                params.extra_args = {"kv_transfer_params": {"tiered_kv": step["hints"]}}
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in step["generate"]], params, use_tqdm=False)
             report.append({"outputs": [result(o) for o in outs], "wall_s": time.monotonic() - t})
     settle(spec)
     if not spec.get("hold"):

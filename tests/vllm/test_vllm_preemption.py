@@ -16,7 +16,11 @@ pytestmark = pytest.mark.slow
 
 
 def test_preemption_with_stores_in_flight_keeps_outputs_identical(model_dir, baseline, tmp_path):
-    spec = {"model": model_dir, "tiered_kv": cache_config(cpu="16MiB"), "num_gpu_blocks": 24, "max_model_len": 512,
+    cfg = cache_config(cpu="16MiB")
+    # One block in flight at a time: stores queue up behind each other, so a request preempted a few
+    # steps after its prefill still has stores in flight (the case the fence exists for).
+    cfg["transfer"]["max_inflight_bytes"] = "32KiB"
+    spec = {"model": model_dir, "tiered_kv": cfg, "num_gpu_blocks": 24, "max_model_len": 512,
             "max_num_batched_tokens": 64, "max_num_seqs": 4,
             "steps": [{"generate": PREEMPT_PROMPTS}, {"reset": True}, {"generate": PREEMPT_PROMPTS}]}  # fmt: skip
     report = run_engine(spec, tmp_path)

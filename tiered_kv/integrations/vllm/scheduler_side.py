@@ -9,6 +9,7 @@ results at a later step. See README, "Use with vLLM", for the step-by-step flow.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import logging
@@ -22,6 +23,7 @@ from ...layout import KVLayout
 from ...split.proxy import request_scope
 from ...split.scheduler import open_scheduler_cache
 from .geometry import check_rank_bytes, scheduler_bytes_per_block
+from .hints import NO_HINTS, RequestHints, hints_of
 from .keys import request_block_keys, salt_of
 from .meta import TieredKVHandshake, TieredKVMetadata
 from .runtime import (
@@ -74,6 +76,7 @@ class SchedulerHalf:
         self._reqs: dict[str, _Req] = {}
         self._salts: dict[str, tuple[int, ...]] = {}
         self._prompt_keys: dict[str, list[bytes]] = {}
+        self._hints: dict[str, RequestHints] = {}
         self._asked: dict[str, int] = {}  # req -> first block a hit answered this step would load
         self._loads: dict[str, _Load] = {}
         self._loaded_upto: dict[str, int] = {}  # blocks resident after a finished load (next_store starts there)
@@ -106,6 +109,9 @@ class SchedulerHalf:
     # -- residency ------------------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
         self._salts[request.request_id] = salt_of(request)
+        hints = hints_of(request)
+        if hints is not NO_HINTS:
+            self._hints[request.request_id] = hints
 
     def _keys(self, rid: str, prompt: list[int]) -> list[bytes]:
         """Keys of every full prompt block, computed once per request."""
@@ -125,12 +131,13 @@ class SchedulerHalf:
             return 0, False
         side = self._ready()
         keys = self._keys(rid, prompt)[:max_blocks]
+        hints = self._hints.get(rid, NO_HINTS)
 
         async def run() -> int:
             # Blocks whose store is in flight count: the load waits for them (and comes up short if one fails).
             hit = side.cache.lookup(keys).total
-            if hit:
-                side.cache.touch(keys[:hit])  # the promised blocks are the last to go
+            if hit:  # the promised blocks are the last to go
+                side.cache.touch(keys[:hit], session=hints.session, expect_followup=hints.expect_followup)
             return hit
 
         try:
@@ -168,6 +175,7 @@ class SchedulerHalf:
             return meta
         for rid in so.preempted_req_ids or ():
             fenced = self._fence(rid)
+            self.counters["preemptions"] += 1
             self.counters["fenced_preemptions"] += fenced
             meta.flush |= fenced
         self._finish_loads(meta)
@@ -236,14 +244,18 @@ class SchedulerHalf:
         start, req.next_store = req.next_store, end
         keys, prefix, ids = req.keys[start:end], req.keys[:start], req.block_ids[start:end]
         cache, tag = self._side.cache, req.tag(rid)
+        hints = self._hints.get(rid, NO_HINTS)
 
         async def store() -> None:
             with request_scope(tag):
-                res = await cache.store(keys, ids, prefix=prefix)
+                res = await cache.store(keys, ids, prefix=prefix, session=hints.session,
+                                        expect_followup=hints.expect_followup)  # fmt: skip
             self.counters["stored_blocks"] += getattr(res, "stored", 0)
 
+        future = self._loop.submit(store())
+        future.add_done_callback(_log_store_failure)
         req.stores = [f for f in req.stores if not f.done()]
-        req.stores.append(self._loop.submit(store()))
+        req.stores.append(future)
 
     def update_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
@@ -260,6 +272,9 @@ class SchedulerHalf:
         self._asked.pop(rid, None)
         self._loaded_upto.pop(rid, None)
         req = self._reqs.pop(rid, None)
+        hints = self._hints.pop(rid, NO_HINTS)
+        if hints.end_session and self._side is not None:
+            self._release_session(hints.session, req.stores if req else [])
         if rid in self._loads:
             return False  # vLLM holds the blocks of a request waiting for its load (finished_recving frees them)
         pending = [f for f in (req.stores if req else ()) if not f.done()]
@@ -267,6 +282,17 @@ class SchedulerHalf:
             return False
         self._held[rid] = pending
         return True
+
+    def _release_session(self, session: str | int, stores: list[concurrent.futures.Future]) -> None:
+        """The session ended: after the request's own stores resolved, its chain is the first to evict."""
+        cache = self._side.cache
+
+        async def release() -> None:
+            if stores:  # a failed store is no reason to keep the session
+                await asyncio.wait([asyncio.wrap_future(f) for f in stores])
+            self.counters["released_blocks"] += len(cache.release(session))
+
+        self._loop.submit(release())
 
     # -- stats and shutdown ---------------------------------------------------------------------
     def _stats(self) -> dict[str, Any]:
@@ -305,3 +331,10 @@ class SchedulerHalf:
             log.exception("tiered_kv: closing the scheduler cache failed")
         finally:
             self._loop.stop()
+
+
+def _log_store_failure(future: concurrent.futures.Future) -> None:
+    """A lost store is a future miss, never an engine failure; a fenced one is expected."""
+    if future.cancelled() or future.exception() is None:
+        return
+    log.debug("tiered_kv: a store was dropped: %r", future.exception())
