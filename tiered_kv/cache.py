@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -33,6 +34,7 @@ from .mover import DiskIO, Mover, load_handler, store_handler
 from .moves import Moves, StoreResult, _Op
 from .tiers.cpu import CpuSlabs
 from .transfer import CopyEngine, make_engine
+from .transfer.base import Compute, check_compute, compute_event
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -113,7 +115,8 @@ class TieredKVCache(Moves, Lifecycle):
         if self._engine_factory is not None:
             self._engine = engine = self._engine_factory(self.slabs)
         else:
-            self._engine = engine = make_engine(cfg.transfer.engine, list(self.layout.regions), self.slabs.regions)
+            self._engine = engine = make_engine(cfg.transfer.engine, list(self.layout.regions), self.slabs.regions,
+                                                dma_rows=self.slabs.dma_rows)  # fmt: skip
         self.mover.register("gpu", "cpu", store_handler(engine))
         self.mover.register("cpu", "gpu", load_handler(engine))
         if self._disk_ns is not None:
@@ -136,7 +139,7 @@ class TieredKVCache(Moves, Lifecycle):
 
     def _local_slabs(self, layout: KVLayout, rows: int) -> CpuSlabs:
         cpu = self.config.tiers.cpu
-        return CpuSlabs(layout, rows, pin=cpu.pin_memory, pin_chunk=cpu.pin_chunk)
+        return CpuSlabs(layout, rows, pin=cpu.pin_memory, pin_chunk=cpu.pin_chunk, device=layout.device)
 
     def _disk_degraded(self) -> None:
         self.manager.disk_writable = False
@@ -294,6 +297,7 @@ class TieredKVCache(Moves, Lifecycle):
         session: str | int | None = None,
         expect_followup: bool = False,
         after: Awaitable[Any] | None = None,
+        compute: Compute = None,
     ) -> StoreResult:
         """Copy the GPU blocks of keys not yet resident into CPU slots.
 
@@ -305,17 +309,19 @@ class TieredKVCache(Moves, Lifecycle):
         count as in flight (``lookup``'s ``pending``): a concurrent load waits for them
         instead of missing them. An engine saving blocks its own cache is about to reuse
         announces them this way and lets them in once room has been freed.
+        ``compute``: see ``load``; the copies read the blocks only after it.
         """
         ids = self._check_args(keys, gpu_block_ids)
+        compute = self._compute_event(compute)
         if len(prefix):
             check_keys(prefix, self._key_bytes)
         keys, prefix = list(keys), list(prefix)
         if session is not None:
             self.manager.hint(_check_session(session), prefix + keys, bool(expect_followup))
         if after is None:
-            return await self._run(lambda op: self._store_body(op, keys, ids, prefix), "store")
+            return await self._run(lambda op: self._store_body(op, keys, ids, prefix), "store", compute)
         self.manager.announce(keys)
-        return await self._run(lambda op: self._store_after(op, after, keys, ids, prefix), "store")
+        return await self._run(lambda op: self._store_after(op, after, keys, ids, prefix), "store", compute)
 
     async def load(
         self,
@@ -324,6 +330,7 @@ class TieredKVCache(Moves, Lifecycle):
         *,
         exclusive: bool = False,
         before_copy: Callable[[], Awaitable[Any]] | None = None,
+        compute: Compute = None,
     ) -> int:
         """Load the leading resident keys into the GPU blocks; returns how many were loaded.
 
@@ -336,15 +343,29 @@ class TieredKVCache(Moves, Lifecycle):
         landed and before anything is copied into the GPU blocks (or before returning
         when nothing is): an engine that must first save what those GPU blocks held
         stores it there, into the room the reads just freed.
+        ``compute``: what the GPU copies are ordered after, a ``torch.cuda.Event`` the caller
+        recorded on its compute stream or that ``torch.cuda.Stream`` (an event is recorded
+        on it now, at the call). Without it the copies wait for the current stream of the
+        event loop's thread at the time each copy is submitted, which orders them after the
+        model only if the model runs on that stream (see README, "Ordering against the GPU").
+        Ignored by the host engine (CPU tensors).
         """
         ids = self._check_args(keys, gpu_block_ids)
+        compute = self._compute_event(compute)
         keys = list(keys)
 
         def body(op: _Op) -> Awaitable[int]:
             op.before_copy = before_copy
             return self._load_body(op, keys, ids, bool(exclusive))
 
-        return await self._run(body, "load")
+        return await self._run(body, "load", compute)
+
+    def _compute_event(self, compute: Compute) -> Compute:
+        """A stream becomes an event recorded at the call (CUDA tensors only); anything else is checked."""
+        if self.layout.device.type != "cuda":
+            check_compute(compute)
+            return None
+        return compute_event(compute)
 
     def _check_args(self, keys: Sequence[bytes], gpu_block_ids: Sequence[int]) -> np.ndarray:
         """Validate a call before anything is reserved; returns the block ids as an int64 array."""
@@ -355,7 +376,7 @@ class TieredKVCache(Moves, Lifecycle):
             raise BlockIdError(f"{len(keys)} keys but {len(ids)} gpu_block_ids")
         return ids
 
-    async def _run(self, body: Callable[[_Op], Awaitable[T]], op_name: str) -> T:
+    async def _run(self, body: Callable[[_Op], Awaitable[T]], op_name: str, compute: Compute = None) -> T:
         """Run a move as a task the cache owns; the caller waits for it, cancelled or not.
 
         On cancellation the flag stops the move before its next copy, and the caller
@@ -363,8 +384,8 @@ class TieredKVCache(Moves, Lifecycle):
         GPU blocks have landed: the engine reuses those blocks the moment we return.
         """
         op = _Op()
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
+        op.compute = compute
+        t0 = time.perf_counter()  # not loop.time(): uvloop's ticks in whole milliseconds
         task = self.spawn(body(op))
 
         def stop() -> None:
@@ -373,7 +394,7 @@ class TieredKVCache(Moves, Lifecycle):
                 task.cancel()
 
         result = await wait_to_end(task, stop)
-        self.metrics.op_latency[op_name].observe(loop.time() - t0)
+        self.metrics.op_latency[op_name].observe(time.perf_counter() - t0)
         return result
 
 def _check_session(session: object) -> str | int:

@@ -33,7 +33,7 @@ class StoreResult:
 
 
 class _Op:
-    __slots__ = ("cancelled", "idle", "before_copy", "hold", "base")
+    __slots__ = ("cancelled", "idle", "before_copy", "hold", "base", "compute")
 
     def __init__(self) -> None:
         self.cancelled = False
@@ -41,6 +41,7 @@ class _Op:
         self.before_copy: Callable[[], Awaitable[Any]] | None = None  # a load's hook, run once
         self.hold: Any = None  # an exclusive load's pins on its run (manager.loading.RunHold)
         self.base = 0  # position in the load's keys of the chunk being planned
+        self.compute: Any = None  # the caller's compute event: every GPU copy of the move waits on it
 
 
 class Moves:
@@ -103,7 +104,7 @@ class Moves:
         try:
             await self._spill_victims(plan.spill, plan.remote_spill)  # the reused slots' old blocks first
             if len(plan.cpu_slots) and not op.cancelled:
-                await self.mover.run("gpu", "cpu", CopyJob(plan.gpu_ids, plan.cpu_slots))
+                await self.mover.run("gpu", "cpu", CopyJob(plan.gpu_ids, plan.cpu_slots, op.compute))
             # A caller that gave up may already reuse its GPU blocks: what we copied
             # then cannot be trusted to match the keys. Discard it. A call with nothing
             # to copy still commits: its resident keys are touched.
@@ -224,7 +225,7 @@ class Moves:
                 m.release_hold(op.hold, op.base + len(plan))
             await self._before_copy(op)
             if n and not op.cancelled:
-                await self.mover.run("cpu", "gpu", CopyJob(plan.cpu_slots[:n], ids[:n]))
+                await self.mover.run("cpu", "gpu", CopyJob(plan.cpu_slots[:n], ids[:n], op.compute))
             else:
                 n = 0
         except BaseException:

@@ -122,6 +122,31 @@ async def test_arg_errors_and_closed_cache(device):
         await cache.load([b"a" * 32], [0])
 
 
+async def test_compute_is_checked_at_the_call_and_orders_the_copies(device):
+    import torch
+
+    kv = make_kv(device=device)
+    async with cache_for(kv, config()) as cache:
+        keys = keys_for(cache, range(4))
+        with pytest.raises(tkv.TransferError, match="compute must be None, a torch.cuda.Event or a torch.cuda"
+                                                    ".Stream, got str"):  # fmt: skip
+            await cache.store(keys, [0, 1, 2, 3], compute="default")
+        with pytest.raises(tkv.TransferError, match="got int"):
+            await cache.load(keys, [0, 1, 2, 3], compute=0)
+        assert cache.lookup(keys).total == 0 and cache.stats()["cpu"]["used"] == 0  # nothing was reserved
+        for i, key in enumerate(keys):
+            fill(kv, i, key)
+        compute = torch.cuda.current_stream() if device == "cuda" else None
+        assert (await cache.store(keys, [0, 1, 2, 3], compute=compute)).stored == 4
+        for t in kv.values():
+            t.zero_()
+        if device == "cuda":
+            compute = torch.cuda.Event()
+            compute.record()
+        assert await cache.load(keys, [8, 9, 10, 11], compute=compute) == 4
+        assert all(holds(kv, 8 + i, key) for i, key in enumerate(keys))
+
+
 def test_unbound_layout_and_capacity_below_one_block(device):
     layout = tkv.KVLayout.from_block_bytes([1024], 64)
     with pytest.raises(tkv.LayoutError, match="bound"):

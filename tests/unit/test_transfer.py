@@ -18,7 +18,7 @@ from tiered_kv.layout import KVLayout
 from tiered_kv.tiers.cpu import CpuSlabs
 from tiered_kv.transfer import CopyEngine, HostCopyEngine, make_engine
 from tiered_kv.transfer.bridge import EventBridge
-from tiered_kv.transfer.cuda import Staging, enqueue_load, enqueue_store, host_slabs
+from tiered_kv.transfer.staged import Staging, enqueue_load, enqueue_store, gpu_groups, host_slabs
 
 BLOCK_BYTES = (4096, 300, 64)
 NUM_BLOCKS = 40
@@ -284,6 +284,20 @@ async def test_concurrent_aclose_calls_share_one_drain(rig):
     assert handle.done() and engine.closed
 
 
+async def test_compute_must_be_an_event_or_a_stream(rig):
+    engine, gpu, cpu = rig
+    before = snapshot(cpu)
+    for bad in ("stream", 7, torch.zeros(1)):
+        with pytest.raises(TransferError, match=f"compute must be None, a torch.cuda.Event or a torch.cuda.Stream, "
+                                                f"got {type(bad).__name__}"):  # fmt: skip
+            engine.submit_store([0], [0], compute=bad)
+        with pytest.raises(TransferError, match="compute must be"):
+            engine.submit_load([0], [0], compute=bad)
+    assert engine.inflight == 0 and all(torch.equal(a, b) for a, b in zip(snapshot(cpu), before, strict=True))
+    await engine.submit_store([3], [1], compute=None)
+    assert torch.equal(cpu[0][1].cpu(), gpu[0][3].cpu())
+
+
 def test_submit_outside_the_event_loop_raises():
     gpu, cpu = make_regions("host")
     engine = HostCopyEngine(gpu, cpu)
@@ -372,6 +386,24 @@ async def test_bridge_reports_errors_after_the_event():
         bridge.watch(late, loop.create_future(), loop, resolve)
 
 
+async def test_bridge_runs_on_start_on_its_own_thread_before_any_wait():
+    # The CUDA engine sets its device there: a wait on a thread whose current device
+    # is GPU 0 would create a context on GPU 0 (TP rank > 0).
+    seen: list[tuple[str, str]] = []
+
+    class Recorded(ThreadEvent):
+        def synchronize(self) -> None:
+            seen.append(("wait", threading.current_thread().name))
+
+    loop = asyncio.get_running_loop()
+    bridge = EventBridge("start-waiter", on_start=lambda: seen.append(("start", threading.current_thread().name)))
+    fut = loop.create_future()
+    bridge.watch(Recorded(), fut, loop, lambda f, err: f.set_result(err))
+    assert await fut is None
+    assert seen == [("start", "start-waiter"), ("wait", "start-waiter")]
+    bridge.stop()
+
+
 # -- plans -----------------------------------------------------------------
 
 
@@ -426,8 +458,9 @@ def engine_copies(draw):
 
 
 @settings(max_examples=200, deadline=None)
-@given(engine_copies(), st.sampled_from([1, 100, 4096, 1 << 30]), st.sampled_from(["slab", "separate"]))
-def test_cuda_enqueue_logic_matches_naive_copy(case, staging_limit, layout):
+@given(engine_copies(), st.sampled_from([1, 100, 4096, 1 << 30]), st.sampled_from(["slab", "separate"]),
+       st.sampled_from([None, 1, 2, 3, 7]))  # fmt: skip
+def test_cuda_enqueue_logic_matches_naive_copy(case, staging_limit, layout, dma_rows):
     widths, num_blocks, num_slots, store, src_ids, dst_ids, order = case
     gen = torch.Generator().manual_seed(len(src_ids) + 7 * len(widths))
     gpu = [torch.randint(0, 256, (num_blocks, w), dtype=torch.uint8, generator=gen) for w in widths]
@@ -442,9 +475,9 @@ def test_cuda_enqueue_logic_matches_naive_copy(case, staging_limit, layout):
     staging = Staging(torch.device("cpu"), staging_limit)
     src_arr, dst_arr = np.array(src_ids, dtype=np.int64), np.array(dst_ids, dtype=np.int64)
     if store:
-        enqueue_store(gpu, slabs, src_arr, dst_arr, staging, torch.from_numpy)
+        enqueue_store(gpu, slabs, src_arr, dst_arr, staging, torch.from_numpy, dma_rows)
     else:
-        enqueue_load(gpu, slabs, src_arr, dst_arr, staging, torch.from_numpy)
+        enqueue_load(gpu, slabs, src_arr, dst_arr, staging, torch.from_numpy, dma_rows)
     for r, (got, want) in enumerate(zip(dst, expected, strict=True)):
         assert torch.equal(got, want), f"region {r} differs from the per-row copy"
 
@@ -490,6 +523,121 @@ def test_block_major_host_side_is_one_contiguous_copy_per_run(store, staging_lim
     assert [op for op, _, _ in seen.ops] == ["aten.copy_.default"] * len(runs)
     assert [shapes for _, shapes, _ in seen.ops] == [[(n, sum(widths))] for n in runs]
     assert all(all(contig) for _, _, contig in seen.ops)
+    src, dst = (gpu, cpu) if store else (cpu, gpu)
+    for s, d, b in zip(src, dst, before, strict=True):
+        want = b.clone()
+        want[torch.from_numpy(slots if store else gpu_ids)] = s[torch.from_numpy(gpu_ids if store else slots)]
+        assert torch.equal(d, want)
+
+
+@pytest.mark.parametrize("store", [True, False])
+@pytest.mark.parametrize("widths", [(64, 300, 8), (512,)], ids=["staged", "direct"])
+def test_no_dma_crosses_a_registered_chunk_edge(store, widths):
+    # The slab is registered in chunks of 4 rows here: the run of slots 2-9 becomes 2-3, 4-7, 8-9.
+    gen = torch.Generator().manual_seed(5)
+    gpu = [torch.randint(0, 256, (24, w), dtype=torch.uint8, generator=gen) for w in widths]
+    cpu, slab = cpu_side("slab", widths, 16, list(range(len(widths))), gen)
+    slab = slab if slab is not None else cpu[0]
+    slots = np.array([2, 3, 4, 5, 6, 7, 8, 9], dtype=np.int64)
+    gpu_ids = np.arange(10, 18, dtype=np.int64)  # consecutive: single-region slabs copy directly
+    before = [t.clone() for t in (cpu if store else gpu)]
+    slabs, staging = host_slabs(cpu), Staging(torch.device("cpu"), 1 << 20)
+    with HostCopies(slab) as seen:
+        if store:
+            enqueue_store(gpu, slabs, gpu_ids, slots, staging, torch.from_numpy, 4)
+        else:
+            enqueue_load(gpu, slabs, slots, gpu_ids, staging, torch.from_numpy, 4)
+    assert [shapes[0][0] for _, shapes, _ in seen.ops] == [2, 4, 2]
+    src, dst = (gpu, cpu) if store else (cpu, gpu)
+    for s, d, b in zip(src, dst, before, strict=True):
+        want = b.clone()
+        want[torch.from_numpy(slots if store else gpu_ids)] = s[torch.from_numpy(gpu_ids if store else slots)]
+        assert torch.equal(d, want)
+
+
+def gpu_side(kind: str, widths, num_blocks: int, gen) -> list[torch.Tensor]:
+    """GPU regions as engines hand them over: separate tensors, regions cut region-major from one storage
+    (``KVLayout.from_tensors``: ``[n, num_blocks, w]``), side by side in each row, or two storages."""
+    def region_major(ws):
+        flat = torch.randint(0, 256, (len(ws) * num_blocks * ws[0],), dtype=torch.uint8, generator=gen)
+        return list(flat.view(len(ws), num_blocks, ws[0]).unbind(0))
+
+    if kind == "separate" or len(set(widths)) > 1 and kind == "region_major":
+        return [torch.randint(0, 256, (num_blocks, w), dtype=torch.uint8, generator=gen) for w in widths]
+    if kind == "region_major":
+        return region_major(widths)
+    if kind == "in_rows":
+        rows = torch.randint(0, 256, (num_blocks, sum(widths) + 8), dtype=torch.uint8, generator=gen)  # + a gap
+        return list(torch.split(rows[:, : sum(widths)], list(widths), dim=1))
+    half = len(widths) // 2  # two storages (one, for a lone region)
+    if half == 0:
+        return region_major(widths)
+    return gpu_side("region_major", widths[:half], num_blocks, gen) + gpu_side("in_rows", widths[half:], num_blocks, gen)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 6), st.sampled_from([8, 40, 64]), st.sampled_from(["region_major", "in_rows", "two"]),
+       st.integers(1, 12), st.data())  # fmt: skip
+def test_gather_per_storage_matches_naive_copy(n_regions, width, kind, num_blocks, data):
+    widths = [width] * n_regions
+    gen = torch.Generator().manual_seed(n_regions * 31 + num_blocks)
+    gpu = gpu_side(kind, widths, num_blocks, gen)
+    order = data.draw(st.sampled_from([list(range(n_regions)), list(range(n_regions))[::-1],
+                                       data.draw(st.permutations(range(n_regions)))]))  # fmt: skip
+    num_slots = data.draw(st.integers(1, 12))
+    store = data.draw(st.booleans())
+    src_len, dst_len = (num_blocks, num_slots) if store else (num_slots, num_blocks)
+    n = data.draw(st.integers(0, dst_len))
+    src_ids = _drawn_ids(data.draw, src_len, n, unique=False)
+    dst_ids = _drawn_ids(data.draw, dst_len, n, unique=True)
+    cpu, _ = cpu_side("slab", widths, num_slots, order, gen)
+    src, dst = (gpu, cpu) if store else (cpu, gpu)
+    expected = [d.clone() for d in dst]
+    for s, d in zip(src, expected, strict=True):
+        for i, j in zip(src_ids, dst_ids, strict=True):
+            d[j] = s[i]
+    staging = Staging(torch.device("cpu"), data.draw(st.sampled_from([width, 3 * width * n_regions, 1 << 20])))
+    src_arr, dst_arr = np.array(src_ids, dtype=np.int64), np.array(dst_ids, dtype=np.int64)
+    slabs = host_slabs(cpu)
+    if store:
+        enqueue_store(gpu, slabs, src_arr, dst_arr, staging, torch.from_numpy)
+    else:
+        enqueue_load(gpu, slabs, src_arr, dst_arr, staging, torch.from_numpy)
+    for r, (got, want) in enumerate(zip(dst, expected, strict=True)):
+        assert torch.equal(got, want), f"region {r} differs from the per-row copy"
+
+
+class IndexKernels(TorchDispatchMode):
+    """Counts the device index kernels (gathers and scatters) a batch queues."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "index_select" in str(func) or "index_copy" in str(func):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("store", [True, False])
+def test_one_index_kernel_per_storage_per_chunk(store):
+    # Two layers, K and V each, cut region-major from one storage per layer (as KVLayout.from_tensors
+    # does): one gather per layer, not one per region.
+    gen = torch.Generator().manual_seed(9)
+    num_blocks, width = 16, 64
+    gpu = gpu_side("region_major", [width] * 2, num_blocks, gen) + gpu_side("region_major", [width] * 2, num_blocks, gen)
+    cpu, _ = cpu_side("slab", [width] * 4, 8, [0, 1, 2, 3], gen)
+    assert [g.regions for g in gpu_groups(gpu, host_slabs(cpu)[0])] == [(0, 1), (2, 3)]
+    gpu_ids, slots = np.array([9, 2, 14, 5], dtype=np.int64), np.array([0, 1, 2, 3], dtype=np.int64)
+    staging = Staging(torch.device("cpu"), 2 * 4 * width)  # two rows per chunk: two chunks
+    before = [t.clone() for t in (cpu if store else gpu)]
+    with IndexKernels() as kernels:
+        if store:
+            enqueue_store(gpu, host_slabs(cpu), gpu_ids, slots, staging, torch.from_numpy)
+        else:
+            enqueue_load(gpu, host_slabs(cpu), slots, gpu_ids, staging, torch.from_numpy)
+    assert kernels.count == 2 * 2, f"{kernels.count} index kernels for 2 storages x 2 chunks"
     src, dst = (gpu, cpu) if store else (cpu, gpu)
     for s, d, b in zip(src, dst, before, strict=True):
         want = b.clone()

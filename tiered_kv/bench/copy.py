@@ -14,7 +14,6 @@ Per case (block size x regions per block), in steady state:
 
 from __future__ import annotations
 
-import asyncio
 import statistics
 import time
 from collections.abc import Awaitable, Callable
@@ -22,6 +21,7 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 
 from ..errors import TieredKVError
+from ..loops import run as run_loop
 from .raw import Batch, RawCopies, RawCopy
 from .rig import BATCH, WORKING_SET, engine_tensors, fresh_keys, open_cache, random_ids
 from .stats import MIN_ROUNDS, compare, fastest, interleave
@@ -42,7 +42,7 @@ def bench_copies(block_sizes=BLOCK_SIZES, regions=REGIONS, *, sample_bytes: int 
     rows: list[dict] = []
     for block_bytes in block_sizes:
         for n_regions in regions:
-            rows += asyncio.run(_case(block_bytes, n_regions, sample_bytes, round_bytes, working_set, device))
+            rows += run_loop(_case(block_bytes, n_regions, sample_bytes, round_bytes, working_set, device))
     return rows
 
 

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..errors import TieredKVError
+from ..loops import run as run_loop
 from .rig import BATCH, engine_tensors, fresh_keys, open_cache, random_ids
 from .stats import compare, interleave
 
@@ -38,7 +39,7 @@ def bench_disk(directory: str, block_sizes=BLOCK_SIZES, *, rounds: int = 9, samp
     """Rows for spill (write), promote warm and promote cold per block size; synchronous."""
     rows: list[dict] = []
     for block_bytes in block_sizes:
-        rows += asyncio.run(_case(directory, block_bytes, rounds, sample_bytes))
+        rows += run_loop(_case(directory, block_bytes, rounds, sample_bytes))
     return rows
 
 

@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
+from tiered_kv.loops import run as run_loop
 from tiered_kv.tiers.disk import DiskStore
 from tiered_kv.tiers.disk.format import (
     JINVALIDATE,
@@ -216,7 +217,7 @@ def bench_disk(tmpdir: str, block_sizes: tuple[int, ...] = (256 * 1024, 2 * 1024
     async def run() -> list[dict]:
         return [await _bench_size(tmpdir, bs, blocks_per_size, repeats, cold) for bs in block_sizes]
 
-    return {"method": "interleaved rounds, medians of per-round ratios (q1, q3, lo, hi)", "sizes": asyncio.run(run())}
+    return {"method": "interleaved rounds, medians of per-round ratios (q1, q3, lo, hi)", "sizes": run_loop(run())}
 
 
 async def _bench_recovery_one(tmpdir: str, count: int, history: bool) -> dict:
@@ -254,7 +255,7 @@ def bench_recovery(tmpdir: str, counts: tuple[int, ...] = (10_000, 100_000)) -> 
     async def run() -> list[dict]:
         return [await _bench_recovery_one(tmpdir, c, h) for c in counts for h in (False, True)]
 
-    return {"runs": asyncio.run(run())}
+    return {"runs": run_loop(run())}
 
 
 if __name__ == "__main__":

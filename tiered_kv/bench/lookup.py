@@ -8,7 +8,6 @@ lookups of the whole prefix.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import numpy as np
@@ -17,13 +16,14 @@ import torch
 from ..cache import TieredKVCache
 from ..errors import TieredKVError
 from ..layout import KVLayout
+from ..loops import run as run_loop
 from .rig import fresh_keys
 from .stats import Spread, interleave
 
 
 def bench_lookup(prefix: int = 1000, *, rounds: int = 15, calls: int = 50) -> dict:
     """Synchronous (runs its own loop)."""
-    return asyncio.run(_lookup(prefix, rounds, calls))
+    return run_loop(_lookup(prefix, rounds, calls))
 
 
 async def _lookup(prefix: int, rounds: int, calls: int) -> dict:

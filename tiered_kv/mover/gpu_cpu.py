@@ -12,7 +12,7 @@ def store_handler(engine: CopyEngine):
     """GPU blocks -> CPU slots; the engine resolves the batch only once every byte has landed."""
 
     async def run(job: CopyJob) -> np.ndarray:
-        await engine.submit_store(job.src_ids, job.dst_ids)
+        await engine.submit_store(job.src_ids, job.dst_ids, compute=job.compute)
         return np.ones(len(job), dtype=bool)
 
     return run
@@ -22,7 +22,7 @@ def load_handler(engine: CopyEngine):
     """CPU slots -> GPU blocks."""
 
     async def run(job: CopyJob) -> np.ndarray:
-        await engine.submit_load(job.src_ids, job.dst_ids)
+        await engine.submit_load(job.src_ids, job.dst_ids, compute=job.compute)
         return np.ones(len(job), dtype=bool)
 
     return run

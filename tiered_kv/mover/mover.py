@@ -7,7 +7,7 @@ made it. Adding a tier adds handlers, not branches.
 
 from __future__ import annotations
 
-import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,10 +30,15 @@ Handler = Callable[[Any], Awaitable[np.ndarray]]
 
 @dataclass
 class CopyJob:
-    """GPU <-> CPU: row ``src_ids[i]`` of the source into row ``dst_ids[i]`` of the destination."""
+    """GPU <-> CPU: row ``src_ids[i]`` of the source into row ``dst_ids[i]`` of the destination.
+
+    ``compute``: what the copy is ordered after (a recorded CUDA event, or None; see
+    ``transfer.base.check_compute``).
+    """
 
     src_ids: np.ndarray
     dst_ids: np.ndarray
+    compute: Any = None
 
     def __len__(self) -> int:
         return len(self.src_ids)
@@ -67,13 +72,12 @@ class Mover:
         nbytes = n * self._bpb
         await self._budget.acquire(nbytes)
         self._metrics.inflight_bytes.set(self._budget.used)
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
+        t0 = time.perf_counter()  # not loop.time(): uvloop's ticks in whole milliseconds
         try:
             ok = await handler(job)
         finally:
             self._budget.release(nbytes)
             self._metrics.inflight_bytes.set(self._budget.used)
         done = int(np.count_nonzero(ok))
-        self._metrics.moved(DIRECTIONS[(src, dst)], done, done * self._bpb, loop.time() - t0)
+        self._metrics.moved(DIRECTIONS[(src, dst)], done, done * self._bpb, time.perf_counter() - t0)
         return ok

@@ -32,6 +32,7 @@ from ..cache import TieredKVCache
 from ..config import Config, load_config
 from ..config_tiers import RemoteTierConfig
 from ..errors import ConfigError
+from ..loops import run as run_loop
 from .engine import EngineEmulator, EngineStats
 from .instance import new_cache, new_emulator
 from .run import (
@@ -41,7 +42,6 @@ from .run import (
     fresh_disks,
     replay_async,
     replay_result,
-    run_async,
 )
 from .trace import Request
 
@@ -234,7 +234,7 @@ def run_fleet(
                 await _clear_quietly(cfg.tiers.remote, prefix)
 
     with fresh_disks(cfg, n, keep_disk=keep_disk) as cfgs:
-        results = run_async(body(cfgs))
+        results = run_loop(body(cfgs))
     return FleetResult(results, merge_results(results), route)
 
 

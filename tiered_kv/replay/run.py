@@ -1,7 +1,7 @@
 """Replay orchestration: config overrides, the workload, one real replay, simulators, the CLI entry.
 
 ``run_replay`` is synchronous: it builds the emulated GPU KV tensors, opens a real
-TieredKVCache over them on its own event loop (uvloop when importable), replays
+TieredKVCache over them on its own event loop (tiered_kv.loops: uvloop unless TIERED_KV_UVLOOP=0), replays
 the requests and returns a ReplayResult. By default the disk tier lives in a
 fresh ``<tiers.disk.path>/replay-<pid>`` directory removed afterwards, so a
 stale namespace from an earlier run cannot serve disk hits from the first request.
@@ -14,7 +14,6 @@ blocks is partial), the simulators and the report.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import shutil
@@ -30,6 +29,7 @@ from ..capacity import tier_slots
 from ..config import PLACEHOLDER_MODEL_ID, Config, load_config, read_config_data, validate_config
 from ..errors import ConfigError, LayoutError
 from ..layout import KVLayout
+from ..loops import run as run_loop
 from ..policy import POLICIES
 from . import simulate as sim
 from .engine import EngineEmulator, EngineStats, run_requests
@@ -260,15 +260,6 @@ def replay_result(
     )
 
 
-def run_async(coro: Coroutine[Any, Any, Any]) -> Any:
-    """Run ``coro`` on a fresh loop: uvloop when importable, else asyncio's default."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
 def run_replay(
     cfg: Config,
     requests: Sequence[Request],
@@ -280,7 +271,7 @@ def run_replay(
 ) -> ReplayResult:
     """Replay on a fresh disk directory (removed afterwards) unless ``keep_disk``."""
     with fresh_disks(cfg, 1, keep_disk=keep_disk) as (cfg,):
-        return run_async(
+        return run_loop(
             replay_async(cfg, requests, on_done=on_done, metrics_port=metrics_port, block_tokens=block_tokens)
         )
 

@@ -86,12 +86,16 @@ class ProxyCopyEngine:
         self._close_task: asyncio.Future[None] | None = None
 
     # -- the cache's side (on its loop) ----------------------------------------------------
-    def submit_store(self, gpu_ids: Sequence[int] | np.ndarray, cpu_slots: Sequence[int] | np.ndarray) -> CopyHandle:
+    # ``compute`` (the engine interface's compute event) orders nothing here: each worker records its own,
+    # in its model runner's thread, when it issues the job.
+    def submit_store(self, gpu_ids: Sequence[int] | np.ndarray, cpu_slots: Sequence[int] | np.ndarray, *,
+                     compute: object = None) -> CopyHandle:  # fmt: skip
         src, dst = check_id_arrays(gpu_ids, cpu_slots, src_len=self.num_blocks, dst_len=self.num_slots,
                                    src_name="gpu block id", dst_name="cpu slot")  # fmt: skip
         return self._submit(STORE, src, dst)
 
-    def submit_load(self, cpu_slots: Sequence[int] | np.ndarray, gpu_ids: Sequence[int] | np.ndarray) -> CopyHandle:
+    def submit_load(self, cpu_slots: Sequence[int] | np.ndarray, gpu_ids: Sequence[int] | np.ndarray, *,
+                    compute: object = None) -> CopyHandle:  # fmt: skip
         src, dst = check_id_arrays(cpu_slots, gpu_ids, src_len=self.num_slots, dst_len=self.num_blocks,
                                    src_name="cpu slot", dst_name="gpu block id")  # fmt: skip
         return self._submit(LOAD, dst, src)

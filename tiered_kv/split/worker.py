@@ -7,8 +7,8 @@ waiting for them, and hands back which finished at its next ``poll``.
 The copies run on a copy engine over (this rank's registered KV views, this rank's shard of each slot),
 driven by an event loop on a thread the copier owns, so ``submit`` and ``poll`` never block the model's
 thread. Host copies are numpy row copies (transfer/numpy_rows.py: no torch intra-op pool in a foreign
-thread). CUDA copies use CUDAStreamEngine; the compute event is recorded in the caller's thread, on the
-stream the model ran on, and the copy stream waits for it.
+thread). CUDA copies use CUDAStreamEngine with ``compute=`` an event recorded in the caller's thread, on
+the stream the model ran on.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from typing import Any
 
 from ..errors import ConfigError, LayoutError, TransferError
 from ..layout import KVLayout
+from ..loops import new_loop
 from ..tiers.shared_cpu import SegmentInfo, SharedSegment
-from ..transfer.base import CopyEngine
+from ..transfer.base import CopyEngine, compute_event
 from ..transfer.numpy_rows import NumpyRowEngine
 from .jobs import STORE, ShardJob
 
@@ -56,7 +57,7 @@ class ShardCopier:
         self._ok: list[int] = []
         self._failed: list[int] = []
         self._running: set[int] = set()  # submitted and not finished (for ``wait``)
-        self._loop = asyncio.new_event_loop()
+        self._loop = new_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"tiered-kv-copier-{rank}", daemon=True)
         self._thread.start()
         self._closed = False
@@ -113,6 +114,8 @@ class ShardCopier:
             return
         if self._engine is None or self._closed:
             raise TransferError(f"rank {self.rank}: submit before attach() or after close()")
+        # CUDA: the event is recorded here, in the caller's (model runner's) thread on its current stream;
+        # the copy stream waits for it, so a store reads what the forward pass wrote.
         ready = _compute_event() if self.kind == "cuda" else None
         with self._lock:
             self._pending += len(jobs)
@@ -167,14 +170,12 @@ class ShardCopier:
 
     # -- on the copier's loop -----------------------------------------------------------------
     def _issue(self, jobs: list[ShardJob], ready: Any) -> None:
-        stream = _ordering_stream(ready)
         for job in jobs:
             try:
-                with stream:
-                    if job.direction == STORE:
-                        handle = self._engine.submit_store(job.gpu_ids, job.cpu_slots)
-                    else:
-                        handle = self._engine.submit_load(job.cpu_slots, job.gpu_ids)
+                if job.direction == STORE:
+                    handle = self._engine.submit_store(job.gpu_ids, job.cpu_slots, compute=ready)
+                else:
+                    handle = self._engine.submit_load(job.cpu_slots, job.gpu_ids, compute=ready)
             except Exception as exc:  # a bad id or a closed engine: nothing was queued
                 log.error("tiered_kv rank %d: job %d could not start: %s", self.rank, job.job_id, exc)
                 self._finished(job.job_id, False)
@@ -201,37 +202,9 @@ class ShardCopier:
 
 
 def _compute_event() -> Any:
-    """An event on the caller's current (compute) stream: the copies wait for what it queued so far."""
     import torch
 
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream())
-    return event
-
-
-class _NoStream:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-def _ordering_stream(ready: Any) -> Any:
-    """A stream context on the copier's thread that first waits for ``ready``: the engine records its own
-    start event on the current stream, so its copy stream waits for the model's kernels."""
-    if ready is None:
-        return _NoStream()
-    import torch
-
-    stream = _ORDER.get("stream")
-    if stream is None:
-        stream = _ORDER["stream"] = torch.cuda.Stream()
-    stream.wait_event(ready)
-    return torch.cuda.stream(stream)
-
-
-_ORDER: dict[str, Any] = {}
+    return compute_event(torch.cuda.current_stream())
 
 
 def _pin(seg: SharedSegment) -> int:

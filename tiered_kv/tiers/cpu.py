@@ -6,31 +6,38 @@ contiguous buffer, so a run of blocks is one DMA, one vectored disk write, or
 one slice handed to a network client, whatever the number of regions.
 
 ``pin_memory=True`` rounds an allocation up to a power of two (vLLM #53042
-measured 1.92x), so with CUDA we allocate plain memory and register exactly
-that range with ``cudaHostRegister``, in chunks, after checking the memlock
-limit and available memory.
+measured 1.92x), so with CUDA we allocate plain page-aligned memory and register
+exactly that range with ``cudaHostRegister``, in chunks of whole pages and rows
+(see pinning.py), on the KV tensors' device.
 """
 
 from __future__ import annotations
 
 import logging
-import resource
 
 import torch
 
-from ..errors import ConfigError, PinningError
+from ..errors import ConfigError
 from ..host_checks import mem_available
 from ..layout import KVLayout
 from ..sizes import format_size
+from .pinning import HostRegistration, page_aligned_empty, pin_chunks, warn_if_memlock_low
 
 log = logging.getLogger(__name__)
 _warned_unpinned = False
 
 
 class CpuSlabs:
-    """``slab`` is ``uint8[num_slots, bytes_per_block]``; ``regions[r]`` its strided column view for region r."""
+    """``slab`` is ``uint8[num_slots, bytes_per_block]``; ``regions[r]`` its strided column view for region r.
 
-    def __init__(self, layout: KVLayout, num_slots: int, *, pin: str = "auto", pin_chunk: int = 1 << 30) -> None:
+    ``device``: the CUDA device the slab is pinned for (the KV tensors'); the
+    registration runs with it current, whatever thread builds the slabs.
+    ``dma_rows``: rows per registered chunk when there are several (a DMA must not
+    cross a chunk edge, which falls between rows), else None.
+    """
+
+    def __init__(self, layout: KVLayout, num_slots: int, *, pin: str = "auto", pin_chunk: int = 1 << 30,
+                 device: torch.device | None = None) -> None:  # fmt: skip
         self.num_slots = num_slots
         self.nbytes = num_slots * layout.bytes_per_block
         available = mem_available()
@@ -42,13 +49,14 @@ class CpuSlabs:
         want_pin = pin == "on" or (pin == "auto" and torch.cuda.is_available())
         if pin == "on" and not torch.cuda.is_available():
             raise ConfigError("tiers.cpu.pin_memory: 'on' needs CUDA, and torch.cuda.is_available() is False")
-        self._buffer = torch.empty(self.nbytes, dtype=torch.uint8)
-        self._registered: list[tuple[int, int]] = []
+        self._buffer = page_aligned_empty(self.nbytes)
+        self._registration = HostRegistration(device if device is not None and device.type == "cuda" else None)
+        self.dma_rows: int | None = None
+        self.bytes_per_block = layout.bytes_per_block
         if want_pin:
             self._pin(pin_chunk)
         else:
             _log_unpinned_once()
-        self.bytes_per_block = layout.bytes_per_block
         self.slab = self._buffer.view(num_slots, layout.bytes_per_block)
         self.slab_np = self.slab.numpy()  # the same memory, for I/O (views are made once, here)
         self.offsets: list[int] = []
@@ -61,34 +69,21 @@ class CpuSlabs:
 
     @property
     def pinned(self) -> bool:
-        return bool(self._registered)
+        return bool(self._registration.ranges)
 
     def rows(self, first: int, count: int) -> memoryview:
         """Slots ``first .. first + count - 1`` as one writable buffer (for vectored I/O)."""
         return memoryview(self.slab_np[first : first + count]).cast("B")
 
     def _pin(self, chunk: int) -> None:
-        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-        if soft != resource.RLIM_INFINITY and self.nbytes > soft:
-            raise PinningError(
-                f"pinning the CPU tier needs {self.nbytes} bytes but RLIMIT_MEMLOCK is {soft}: raise it "
-                f"(`ulimit -l unlimited`, or memlock in /etc/security/limits.conf / the container's --ulimit), "
-                f"lower tiers.cpu.capacity, or set tiers.cpu.pin_memory: off"
-            )
-        cudart = torch.cuda.cudart()
+        warn_if_memlock_low(self.nbytes)
+        chunks = pin_chunks(self.nbytes, max(1, self.bytes_per_block), max(chunk, 1 << 20))
         base = self._buffer.data_ptr()
-        chunk = max(chunk, 1 << 20)
-        progress = _progress(self.nbytes) if self.nbytes >= 4 * chunk else None
+        progress = _progress(self.nbytes) if len(chunks) >= 4 else None
         try:
-            for start in range(0, self.nbytes, chunk):
-                size = min(chunk, self.nbytes - start)
-                err = cudart.cudaHostRegister(base + start, size, 0)
-                if int(err) != 0:
-                    raise PinningError(
-                        f"cudaHostRegister of {size} bytes at offset {start} failed with error {int(err)}; "
-                        f"check RLIMIT_MEMLOCK or set tiers.cpu.pin_memory: off"
-                    )
-                self._registered.append((base + start, size))
+            for start, size in chunks:
+                self._registration.register(base + start, size, what=f"offset {start} of the {self.nbytes}-byte "
+                                                                     "CPU tier")  # fmt: skip
                 if progress is not None:
                     progress[0].update(progress[1], advance=size)
         except BaseException:
@@ -97,14 +92,12 @@ class CpuSlabs:
         finally:
             if progress is not None:
                 progress[0].stop()
+        if len(chunks) > 1:
+            self.dma_rows = chunks[0][1] // max(1, self.bytes_per_block)
 
     def release(self) -> None:
         """Unregister pinned memory (idempotent); the slabs must not be used afterwards."""
-        if self._registered:
-            cudart = torch.cuda.cudart()
-            for ptr, _size in self._registered:
-                cudart.cudaHostUnregister(ptr)
-            self._registered.clear()
+        self._registration.release()
 
 
 def _log_unpinned_once() -> None:

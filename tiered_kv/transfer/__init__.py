@@ -32,14 +32,18 @@ __all__ = [
 
 
 def make_engine(
-    kind: str, gpu_regions: Sequence[torch.Tensor], cpu_regions: Sequence[torch.Tensor]
-) -> CopyEngine:
-    """Build the copy engine named by ``kind`` ("auto" | "host" | "cuda")."""
+    kind: str, gpu_regions: Sequence[torch.Tensor], cpu_regions: Sequence[torch.Tensor], *,
+    dma_rows: int | None = None,
+) -> CopyEngine:  # fmt: skip
+    """Build the copy engine named by ``kind`` ("auto" | "host" | "cuda").
+
+    ``dma_rows``: rows per registered chunk of a pinned slab (``CpuSlabs.dma_rows``), for the CUDA engine.
+    """
     if kind == "auto":
         on_cuda = bool(gpu_regions) and gpu_regions[0].device.type == "cuda"
         kind = "cuda" if on_cuda else "host"
     if kind == "host":
         return HostCopyEngine(gpu_regions, cpu_regions)
     if kind == "cuda":
-        return CUDAStreamEngine(gpu_regions, cpu_regions)
+        return CUDAStreamEngine(gpu_regions, cpu_regions, dma_rows=dma_rows)
     raise ConfigError(f"transfer engine kind must be one of {', '.join(ENGINE_KINDS)}; got {kind!r}")

@@ -22,6 +22,38 @@ from tiered_kv.errors import LayoutError, TransferError
 log = logging.getLogger(__name__)
 
 
+# What a copy is ordered after: None (the current stream of the thread that submits), a
+# torch.cuda.Event the caller recorded, or a torch.cuda.Stream (an event is recorded on it).
+Compute = Any
+
+
+def check_compute(compute: Compute) -> None:
+    """Raise TransferError unless ``compute`` is None, a recorded ``torch.cuda.Event`` or a ``torch.cuda.Stream``.
+
+    An event that was never recorded would make the copy stream's wait a no-op
+    (CUDA waits on nothing), so it is refused rather than silently unordered.
+    """
+    if compute is None or isinstance(compute, torch.cuda.Stream):
+        return
+    if isinstance(compute, torch.cuda.Event):
+        if getattr(compute, "cuda_event", 1) == 0:
+            raise TransferError("compute: the torch.cuda.Event was never recorded; record it on the compute stream first")
+        return
+    raise TransferError(
+        f"compute must be None, a torch.cuda.Event or a torch.cuda.Stream, got {type(compute).__name__}"
+    )
+
+
+def compute_event(compute: Compute) -> Compute:
+    """``compute`` as an event recorded now: a stream gets one recorded on it (at this call), others pass through."""
+    check_compute(compute)
+    if isinstance(compute, torch.cuda.Stream):
+        event = torch.cuda.Event()
+        event.record(compute)  # the event is created on the stream's device (torch guards it)
+        return event
+    return compute
+
+
 class Direction(enum.Enum):
     STORE = "store"  # GPU -> CPU
     LOAD = "load"  # CPU -> GPU
@@ -81,21 +113,27 @@ class CopyEngine(ABC):
     def closed(self) -> bool:
         return self._closed
 
-    def submit_store(self, gpu_ids: Sequence[int] | np.ndarray, cpu_slots: Sequence[int] | np.ndarray) -> CopyHandle:
-        """Copy GPU blocks ``gpu_ids[i]`` into CPU slots ``cpu_slots[i]``."""
+    def submit_store(
+        self, gpu_ids: Sequence[int] | np.ndarray, cpu_slots: Sequence[int] | np.ndarray, *, compute: Compute = None
+    ) -> CopyHandle:
+        """Copy GPU blocks ``gpu_ids[i]`` into CPU slots ``cpu_slots[i]``, after ``compute`` (see ``check_compute``)."""
+        check_compute(compute)
         src, dst = check_id_arrays(
             gpu_ids, cpu_slots, src_len=self.num_blocks, dst_len=self.num_slots,
             src_name="gpu block id", dst_name="cpu slot",
         )  # fmt: skip
-        return self._submit(Direction.STORE, src, dst)
+        return self._submit(Direction.STORE, src, dst, compute)
 
-    def submit_load(self, cpu_slots: Sequence[int] | np.ndarray, gpu_ids: Sequence[int] | np.ndarray) -> CopyHandle:
-        """Copy CPU slots ``cpu_slots[i]`` into GPU blocks ``gpu_ids[i]``."""
+    def submit_load(
+        self, cpu_slots: Sequence[int] | np.ndarray, gpu_ids: Sequence[int] | np.ndarray, *, compute: Compute = None
+    ) -> CopyHandle:
+        """Copy CPU slots ``cpu_slots[i]`` into GPU blocks ``gpu_ids[i]``, after ``compute`` (see ``check_compute``)."""
+        check_compute(compute)
         src, dst = check_id_arrays(
             cpu_slots, gpu_ids, src_len=self.num_slots, dst_len=self.num_blocks,
             src_name="cpu slot", dst_name="gpu block id",
         )  # fmt: skip
-        return self._submit(Direction.LOAD, src, dst)
+        return self._submit(Direction.LOAD, src, dst, compute)
 
     async def aclose(self) -> None:
         """Refuse new batches, wait for every in-flight one, release resources. Idempotent."""
@@ -115,9 +153,10 @@ class CopyEngine(ABC):
     @abstractmethod
     def _launch(
         self, direction: Direction, src: np.ndarray, dst: np.ndarray, handle: CopyHandle,
-        loop: asyncio.AbstractEventLoop,
+        loop: asyncio.AbstractEventLoop, compute: Compute,
     ) -> None:  # fmt: skip
-        """Start the copy (ids are validated int64 arrays); arrange ``loop.call_soon_threadsafe(self._resolve, fut, err)`` at the end."""
+        """Start the copy (ids are validated int64 arrays) after ``compute`` (checked by ``check_compute``);
+        arrange ``loop.call_soon_threadsafe(self._resolve, fut, err)`` at the end."""
 
     @abstractmethod
     def _release(self) -> None:
@@ -138,7 +177,7 @@ class CopyEngine(ABC):
 
     # -- internals --------------------------------------------------------
 
-    def _submit(self, direction: Direction, src: list[int], dst: list[int]) -> CopyHandle:
+    def _submit(self, direction: Direction, src: np.ndarray, dst: np.ndarray, compute: Compute) -> CopyHandle:
         if self._closed:
             raise TransferError(f"submit_{direction.value} on a closed {type(self).__name__}")
         try:
@@ -149,7 +188,7 @@ class CopyEngine(ABC):
         handle = CopyHandle(future, len(src) * self.bytes_per_block, direction)
         self._pending.add(future)
         try:
-            self._launch(direction, src, dst, handle, loop)
+            self._launch(direction, src, dst, handle, loop, compute)
         except BaseException as exc:
             # Nothing was queued (engines launch atomically or report through the future).
             self._pending.discard(future)

@@ -4,7 +4,9 @@ One waiter thread per direction blocks in ``event.synchronize()`` (which
 releases the GIL) for each batch in FIFO order, then resolves the batch's
 future on the loop through ``loop.call_soon_threadsafe``. The loop itself never
 blocks on the GPU. Any object with a ``synchronize()`` method works as the
-event, which lets the bridge be tested without a GPU.
+event, which lets the bridge be tested without a GPU. ``on_start`` runs first on
+the waiter thread: the CUDA engine sets its device there, since a CUDA call on a
+thread whose current device is GPU 0 creates a context on GPU 0.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ class Synchronizable(Protocol):
 class EventBridge:
     """A FIFO of (event, future) pairs drained by one daemon waiter thread."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, on_start: Callable[[], Any] | None = None) -> None:
         self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self._stopped = False
+        self._on_start = on_start
         # Daemon: a wedged GPU must not also wedge interpreter exit.
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -68,6 +71,11 @@ class EventBridge:
         return self._thread.is_alive()
 
     def _run(self) -> None:
+        if self._on_start is not None:
+            try:
+                self._on_start()
+            except Exception:  # the waits below still wait (on any device): log, never drop a batch
+                log.exception("%s: setting up the waiter thread failed", self._thread.name)
         while True:
             item = self._queue.get()
             if item is None:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from tiered_kv.errors import LayoutError, TransferError
-from tiered_kv.transfer.base import CopyEngine, CopyHandle, Direction
+from tiered_kv.transfer.base import Compute, CopyEngine, CopyHandle, Direction
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,10 @@ class HostCopyEngine(CopyEngine):
 
     def _launch(
         self, direction: Direction, src: np.ndarray, dst: np.ndarray, handle: CopyHandle,
-        loop: asyncio.AbstractEventLoop,
+        loop: asyncio.AbstractEventLoop, compute: Compute,
     ) -> None:  # fmt: skip
+        # ``compute`` (a CUDA event or stream, type-checked by the base) orders nothing here:
+        # the "GPU" tensors are CPU memory, written synchronously by the caller.
         if direction is Direction.STORE:
             job = (_store_rows, self._gpu, self._cpu, self._gpu_np, self._cpu_np, src, dst)
         else:

@@ -13,7 +13,7 @@ import asyncio
 
 import numpy as np
 
-from tiered_kv.transfer.base import CopyHandle, Direction
+from tiered_kv.transfer.base import Compute, CopyHandle, Direction
 from tiered_kv.transfer.host import HostCopyEngine
 
 
@@ -22,8 +22,9 @@ class NumpyRowEngine(HostCopyEngine):
 
     def _launch(
         self, direction: Direction, src: np.ndarray, dst: np.ndarray, handle: CopyHandle,
-        loop: asyncio.AbstractEventLoop,
+        loop: asyncio.AbstractEventLoop, compute: Compute,
     ) -> None:  # fmt: skip
+        # ``compute`` orders nothing here (as in HostCopyEngine): the "GPU" tensors are CPU memory.
         if direction is Direction.STORE:
             job = (copy_rows, self._gpu_np, self._cpu_np, src, dst)
         else:

@@ -41,7 +41,7 @@ from .format import (
     namespace_json,
     parse_namespace_json,
 )
-from .recovery import replay_journal
+from .recovery import replay_journal_fd
 
 log = logging.getLogger("tiered_kv.disk")
 NS_DIR_RE = re.compile(r"^ns-[0-9a-f]{20}$")
@@ -175,7 +175,7 @@ def _count_blocks(dir_fd: int, ns: DiskNamespace) -> int:
     except OSError:
         return -1
     try:
-        return int(replay_journal(jfd, ns.key_bytes, num_slots).live.sum())
+        return int(replay_journal_fd(jfd, ns.key_bytes, num_slots).live.sum())
     finally:
         os.close(jfd)
 

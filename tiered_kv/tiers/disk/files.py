@@ -18,7 +18,6 @@ import errno
 import mmap
 import os
 import stat
-from collections.abc import Callable
 
 from tiered_kv.errors import DiskError
 
@@ -175,18 +174,11 @@ def replace_file(dir_fd: int, dirpath: str, name: str, data: bytes, *, fsync: bo
     return fd
 
 
-def probe_o_direct(path: str, opener: Callable[[str], int], align: int = 4096) -> tuple[int, str]:
-    """(fd opened with O_DIRECT, "") when an aligned read works on ``path``, else (-1, why not)."""
-    if not hasattr(os, "O_DIRECT"):
-        return -1, "O_DIRECT is not available on this platform"
-    try:
-        fd = opener(path)
-    except OSError as e:
-        return -1, f"O_DIRECT open failed on {path}: {e}"
+def probe_aligned_read(fd: int, path: str, align: int = 4096) -> str:
+    """"" when an aligned read works on ``fd`` (opened with O_DIRECT), else why not."""
     try:
         if (n := os.preadv(fd, [mmap.mmap(-1, align)], 0)) != align:
             raise OSError(errno.EINVAL, f"aligned probe read returned {n} bytes")
     except OSError as e:
-        os.close(fd)
-        return -1, f"O_DIRECT probe read failed on {path}: {e}"
-    return fd, ""
+        return f"O_DIRECT probe read failed on {path}: {e}"
+    return ""

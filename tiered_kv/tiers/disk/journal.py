@@ -2,22 +2,23 @@
 
 See format.py for the record layout, recovery.py for how a journal is replayed, and store.py for the
 write protocol that orders invalidate -> data -> commit. A batch of blocks costs two appends: one for its
-invalidations (plus whatever ``invalidate_many`` queued), one for its commits, each one pwrite.
+invalidations (plus whatever ``invalidate_many`` queued), one for its commits, each one aiofiles write.
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import os
-import threading
 from collections import deque
 
 import numpy as np
+from aiofiles.threadpool.binary import AsyncFileIO
 
 from tiered_kv.errors import DiskError
 
-from .files import open_private, pwritev_all, replace_file
+from .aio import DiskCalls
 from .format import JCOMMIT, JINVALIDATE, JOURNAL_FILE, JREC_SIZE, encode_journal, encode_records
 from .recovery import READ_CHUNK, empty_replay, replay_journal
 
@@ -33,13 +34,14 @@ def journal_limit(num_slots: int, floor: int) -> int:
 class Journal:
     """journal.tkv plus an in-memory mirror of its committed slots (key, seq, checksum).
 
-    Called only from the store's executor threads, which hold ``lock``; ``queue_invalidate`` alone is
-    lock-free (one deque append per batch of slots) so the event loop never waits. Records are written with pwrite at our own
-    offset, not O_APPEND: a failed append is cut off and overwritten by the next, so records stay aligned
-    even after ENOSPC. Compaction rewrites the journal from the mirror (temp file, fsync, os.replace, fsync
-    of the directory). It runs under ``lock`` after a batch's commits, which is a safe point even while
-    other batches are between their invalidations and their commits: the mirror is exactly the net effect
-    of the records written so far, and those batches' later records land in the new file.
+    Runs on the event loop; its file I/O goes through aiofiles on the store's executor (aio.py), one
+    append at a time under ``lock`` (an asyncio.Lock), and ``queue_invalidate`` is a plain deque append.
+    Records go at our own offset (``size``), not O_APPEND: a failed append is cut off and overwritten by the
+    next, so records stay aligned even after ENOSPC. Compaction rewrites the journal from the mirror (temp
+    file, fsync, rename over, fsync of the directory). It runs under ``lock`` after a batch's commits, which
+    is a safe point even while other batches are between their invalidations and their commits: the mirror
+    is exactly the net effect of the records written so far, and those batches' later records land in the
+    new file.
     """
 
     def __init__(self, dirpath: str, key_bytes: int, num_slots: int, *, fsync: bool, compact_slack: int,
@@ -47,7 +49,9 @@ class Journal:
         self.dir, self.kb, self.fsync, self.compact_slack, self.limit = dirpath, key_bytes, fsync, compact_slack, limit
         self.path = os.path.join(dirpath, JOURNAL_FILE)
         self.read_chunk = READ_CHUNK
-        self.lock = threading.Lock()
+        self.lock = asyncio.Lock()
+        self.file: AsyncFileIO | None = None
+        self.calls: DiskCalls | None = None
         self.fd = self.dir_fd = -1
         self.size = self.records = self.nlive = self.max_seq = self.retry_at = 0
         self.appends = 0  # record writes (one per batch of invalidations or commits): for tests and benches
@@ -57,15 +61,15 @@ class Journal:
         self.live, self.keys, self.seqs, self.psums = empty.live, empty.keys, empty.seqs, empty.psums
         self.issues: dict[str, tuple[int, str]] = {}  # cause -> (blocks dropped by recovery, detail)
 
-    def load(self, dir_fd: int) -> tuple[list[bytes], list[int], list[int]]:
+    async def load(self, calls: DiskCalls, dir_fd: int) -> tuple[list[bytes], list[int], list[int]]:
         """Recover (keys, slots, seqs) of committed slots < num_slots, oldest first; compact when untidy."""
-        self.dir_fd = dir_fd
+        self.calls, self.dir_fd = calls, dir_fd
         try:
-            os.unlink(JOURNAL_FILE + ".tmp", dir_fd=dir_fd)  # a compaction killed midway
+            await calls.unlink(JOURNAL_FILE + ".tmp", dir_fd=dir_fd)  # a compaction killed midway
         except FileNotFoundError:
             pass
-        self.fd = open_private(JOURNAL_FILE, dir_fd=dir_fd, path=self.path)
-        r = replay_journal(self.fd, self.kb, self.num_slots, chunk=self.read_chunk)
+        self._use(await calls.open(JOURNAL_FILE, dir_fd=dir_fd, path=self.path))
+        r = await replay_journal(self.file, self.kb, self.num_slots, chunk=self.read_chunk)
         self.live, self.keys, self.seqs, self.psums = r.live, r.keys, r.seqs, r.psums
         self.nlive, self.max_seq, self.records, self.size = int(r.live.sum()), r.max_seq, r.records, r.size
         if r.bad_seq:
@@ -75,11 +79,12 @@ class Journal:
             self.issues["journal_duplicate_key"] = (r.duplicates, "a key committed in two slots; the higher "
                                                     "seq kept, the other slot freed")
         if r.torn_bytes:  # cut the torn tail so the next append lands on a record boundary
-            os.ftruncate(self.fd, self.size)
+            await self.file.truncate(self.size)
+        await self.file.seek(self.size)  # appends go on from here (the replay moved the position)
         if not r.header_ok:
-            self._compact()  # a journal we cannot append to: rewrite it or fail the open
+            await self._compact()  # a journal we cannot append to: rewrite it or fail the open
         elif r.untidy or self._too_big():
-            self._try_compact()
+            await self._try_compact()
         slots = r.live_slots()
         kbytes, kb = self.keys[slots].tobytes(), self.kb
         keys = [kbytes[i : i + kb] for i in range(0, len(kbytes), kb)]
@@ -88,77 +93,82 @@ class Journal:
     def queue_invalidate(self, slots: np.ndarray) -> None:
         self.pending.append(slots)
 
-    def before_write(self, slots: np.ndarray, seq: int) -> None:
+    async def before_write(self, slots: np.ndarray, seq: int) -> None:
         """Journal queued invalidations and those of ``slots`` that hold commits, in one append, before
         their bytes change."""
-        with self.lock:
+        async with self.lock:
             queued = [self.pending.popleft() for _ in range(len(self.pending))]
             todo = np.unique(np.concatenate([*queued, slots]).astype(np.int64)) if queued else slots
             todo = todo[self.live[todo]]  # only commits need a record
             if not len(todo):
                 return
             try:
-                self._append(encode_records(JINVALIDATE, todo, seq))
+                await self._append(encode_records(JINVALIDATE, todo, seq))
             except OSError:
                 self.pending.append(todo)  # retried at the next journal write
                 raise
             self.live[todo] = False
             self.nlive -= len(todo)
 
-    def commit(self, slots: np.ndarray, seqs: np.ndarray, keys: np.ndarray, psums: np.ndarray) -> None:
+    async def commit(self, slots: np.ndarray, seqs: np.ndarray, keys: np.ndarray, psums: np.ndarray) -> None:
         """Journal the commits of distinct ``slots`` (keys: uint8 [n, key_bytes]) in one append, once
         their bytes are written."""
-        with self.lock:
-            self._append(encode_records(JCOMMIT, slots, seqs, psums, keys))
+        async with self.lock:
+            await self._append(encode_records(JCOMMIT, slots, seqs, psums, keys))
             self.nlive += int(np.count_nonzero(~self.live[slots]))
             self.live[slots], self.seqs[slots], self.psums[slots], self.keys[slots] = True, seqs, psums, keys
             if self._too_big():
-                self._try_compact()
+                await self._try_compact()
 
-    def close(self) -> None:
-        with self.lock:
-            fd, self.fd = self.fd, -1
-            if fd >= 0:
-                os.close(fd)
+    async def close(self) -> None:
+        async with self.lock:
+            f, self.file, self.fd = self.file, None, -1
+            if f is not None:
+                await f.close()
+
+    def _use(self, f: AsyncFileIO) -> None:
+        self.file, self.fd = f, f.fileno()
 
     def _too_big(self) -> bool:
         return self.records > max(2 * self.nlive + self.compact_slack, self.retry_at) or self.size > self.limit
 
-    def _try_compact(self) -> None:
+    async def _try_compact(self) -> None:
         """Compaction is housekeeping: if it fails (a full disk), keep appending and retry much later."""
         try:
-            self._compact()
+            await self._compact()
         except OSError as e:
             self.retry_at = 2 * self.records
             log.warning("disk tier: journal compaction in %s failed (%s); will retry later", self.dir, e)
 
-    def _append(self, data: bytes) -> None:
+    async def _append(self, data: bytes) -> None:
         if self.size + len(data) > self.limit:
             try:  # at the bound compaction is no longer optional: without it the journal grows forever
-                self._compact()
+                await self._compact()
             except OSError as e:
                 raise DiskError(e.errno or errno.EIO, f"journal reached its bound of {self.limit} bytes and "
                                 f"cannot be compacted: {e.strerror or e}", self.path) from e
         try:
             self.appends += 1
-            pwritev_all(self.fd, [data], self.size, len(data))
+            await self.calls.write_all(self.file, data)
             if self.fsync:
-                os.fdatasync(self.fd)
+                await self.calls.fdatasync(self.fd)
         except OSError:
-            try:
-                os.ftruncate(self.fd, self.size)
+            try:  # cut what got written and go back to the record boundary
+                await self.file.truncate(self.size)
+                await self.file.seek(self.size)
             except OSError:
                 pass
             raise
         self.size += len(data)
         self.records += len(data) // JREC_SIZE
 
-    def _compact(self) -> None:
+    async def _compact(self) -> None:
         live = np.flatnonzero(self.live)
         live = live[np.argsort(self.seqs[live], kind="stable")]
         blob = encode_journal(self.kb, live, self.seqs[live], self.psums[live], self.keys[live])
-        fd = replace_file(self.dir_fd, self.dir, JOURNAL_FILE, blob, fsync=True)  # rare: always durable
-        old, self.fd = self.fd, fd
-        if old >= 0:
-            os.close(old)
+        new = await self.calls.replace_file(self.dir_fd, self.dir, JOURNAL_FILE, blob)  # rare: always durable
+        old = self.file
+        self._use(new)
+        if old is not None:
+            await old.close()
         self.size, self.records = len(blob), len(live)

@@ -3,7 +3,8 @@
 Memory is bounded by one chunk (4 MiB) plus the per-slot arrays, whatever the journal's size: a 2 GB
 journal used to be read whole (2.7 GB RSS), a 20 GB one ended in MemoryError. Sparse holes are skipped
 with SEEK_DATA, and records are prefiltered by kind with numpy before their checksums are computed, so
-zeros (holes, preallocated tails) cost next to nothing.
+zeros (holes, preallocated tails) cost next to nothing. The chunks are read through aiofiles (seek and
+readinto on the disk tier's executor), so the event loop never waits on them.
 
 Rules, applied in journal order (a slot's records are in its write order):
 
@@ -22,7 +23,9 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Generator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -69,11 +72,62 @@ def empty_replay(num_slots: int, key_bytes: int) -> Replay:
                   np.zeros(num_slots, np.uint64), np.zeros(num_slots, np.uint64))
 
 
-def replay_journal(fd: int, key_bytes: int, num_slots: int, *, chunk: int = READ_CHUNK) -> Replay:
-    """Replay the journal open at ``fd`` (read with pread only; the file is not changed)."""
+async def replay_journal(f: Any, key_bytes: int, num_slots: int, *, chunk: int = READ_CHUNK) -> Replay:
+    """Replay the journal open as ``f``, an aiofiles binary file (seek and readinto only; nothing changed)."""
+    steps = _replay(key_bytes, num_slots, chunk)
+    try:
+        step = next(steps)
+        while True:
+            if step[0] == "size":
+                answer = await f.seek(0, os.SEEK_END)
+            elif step[0] == "read":
+                await f.seek(step[1])
+                answer = await f.readinto(step[2]) or 0
+            else:
+                try:
+                    answer = await f.seek(step[1], os.SEEK_DATA)
+                except OSError as e:
+                    answer = _no_data(e, step[1])
+            step = steps.send(answer)
+    except StopIteration as done:
+        return done.value
+
+
+def replay_journal_fd(fd: int, key_bytes: int, num_slots: int, *, chunk: int = READ_CHUNK) -> Replay:
+    """The same replay with plain preads on ``fd``, for ``tiered-kv disk ls`` (which has no event loop)."""
+    steps = _replay(key_bytes, num_slots, chunk)
+    try:
+        step = next(steps)
+        while True:
+            if step[0] == "size":
+                answer = os.fstat(fd).st_size
+            elif step[0] == "read":
+                answer = os.preadv(fd, [step[2]], step[1])
+            else:
+                try:
+                    answer = os.lseek(fd, step[1], os.SEEK_DATA)
+                except OSError as e:
+                    answer = _no_data(e, step[1])
+            step = steps.send(answer)
+    except StopIteration as done:
+        return done.value
+
+
+def _no_data(e: OSError, off: int) -> int | None:
+    """SEEK_DATA failed: ENXIO means nothing but hole from ``off`` on (None); otherwise the file system
+    cannot tell, so read from ``off``."""
+    return None if e.errno == errno.ENXIO else off
+
+
+def _replay(key_bytes: int, num_slots: int, chunk: int) -> Generator[tuple, Any, Replay]:
+    """The replay without its I/O. Yields what it needs, and is sent the answer: ("size",) -> the file's
+    size; ("read", off, buf) -> how many bytes were read into ``buf`` from ``off``; ("data", off) -> the
+    first data offset at or after ``off`` (SEEK_DATA), None when only hole follows."""
     r = empty_replay(num_slots, key_bytes)
-    file_size = os.fstat(fd).st_size
-    r.header_ok = file_size >= JREC_SIZE and os.pread(fd, JREC_SIZE, 0) == journal_header(key_bytes)
+    file_size = yield ("size",)
+    head = bytearray(JREC_SIZE)
+    got = (yield ("read", 0, memoryview(head))) if file_size >= JREC_SIZE else 0
+    r.header_ok = got == JREC_SIZE and head == journal_header(key_bytes)
     if not r.header_ok:
         r.size = file_size
         return r
@@ -84,14 +138,13 @@ def replay_journal(fd: int, key_bytes: int, num_slots: int, *, chunk: int = READ
     buf = bytearray(chunk)
     off = JREC_SIZE
     while off < end:
-        data_at = _next_data(fd, off, end)
+        data_at = _record_boundary((yield ("data", off)), off, end) if hasattr(os, "SEEK_DATA") else off
         if data_at > off:  # a hole: all zero records, none valid
             r.bad += (data_at - off) // JREC_SIZE
             off = data_at
             continue
         want = min(chunk, end - off)
-        got = os.preadv(fd, [memoryview(buf)[:want]], off)
-        n = got // JREC_SIZE
+        n = (yield ("read", off, memoryview(buf)[:want])) // JREC_SIZE
         if n == 0:  # the file shrank under us: what is left counts as torn
             r.bad += (end - off) // JREC_SIZE
             break
@@ -101,14 +154,10 @@ def replay_journal(fd: int, key_bytes: int, num_slots: int, *, chunk: int = READ
     return r
 
 
-def _next_data(fd: int, off: int, end: int) -> int:
-    """The first record boundary >= off that may hold data (SEEK_DATA), or ``end``; ``off`` if unknown."""
-    if not hasattr(os, "SEEK_DATA"):
-        return off
-    try:
-        at = os.lseek(fd, off, os.SEEK_DATA)
-    except OSError as e:  # ENXIO: nothing but hole from off to EOF; EINVAL: the file system cannot tell
-        return end if e.errno == errno.ENXIO else off
+def _record_boundary(at: int | None, off: int, end: int) -> int:
+    """The first record boundary >= off that may hold data, given SEEK_DATA's answer ``at``."""
+    if at is None:
+        return end
     at = min(at, end)
     return max(off, JREC_SIZE + (at - JREC_SIZE) // JREC_SIZE * JREC_SIZE)
 

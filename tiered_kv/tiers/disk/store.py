@@ -19,11 +19,15 @@ A kill -9 between any two steps leaves the batch uncommitted in the journal, and
 header/key/payload checks on read, so a reader gets the old block, nothing, or the new block. Every read
 re-verifies header, key, slot, length and payload checksum, record by record: a block that fails is
 False in the returned mask, never an exception. A fault of the batch itself (ENOSPC, EIO, a journal that
-cannot take more records) raises DiskError, and only once the job has ended: nothing of the batch is in
-flight by then, and a cancelled call also waits for its job before re-raising, because cancelling an
+cannot take more records) raises DiskError, and only once the batch has ended: nothing of it is in
+flight by then, and a cancelled call also waits for its batch before re-raising, because cancelling an
 await does not stop a pwritev/preadv on the slab. Large batches split their checksums over helper
-threads (records.Hasher). The journal is touched only by executor threads holding its lock; the event
-loop only queues invalidations, so it never waits on it.
+threads (records.Hasher).
+
+I/O: every file call goes through aiofiles on the tier's own executor (aio.py): the files are opened and
+closed with ``aiofiles.open``, the journal appends and reads through them, stat/unlink/rename through
+``aiofiles.os``, and each batch's vectored data job through ``aiofiles.os.wrap``: one hand-off per batch,
+one syscall per run inside it.
 """
 
 from __future__ import annotations
@@ -33,18 +37,17 @@ import contextlib
 import errno
 import logging
 import os
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
+from aiofiles.threadpool.binary import AsyncFileIO
 
 from tiered_kv.errors import ConfigError, DiskError, KeyFormatError, LayoutError
-from tiered_kv.lifecycle import wait_to_end
 
 from .admin import open_namespace_dir
-from .files import open_private, probe_o_direct
+from .aio import DiskCalls
+from .files import probe_aligned_read
 from .format import DATA_FILE, DiskNamespace, check_header, check_headers, encode_headers
 from .journal import Journal, journal_limit
 from .records import Hasher, RecordIO
@@ -108,7 +111,8 @@ class DiskStore:
         self.write_errors = self.write_syscalls = self.read_syscalls = 0
         self.recovered: list[RecoveredBlock] = []
         self._on_drop = on_drop or _log_drop
-        self._executor: ThreadPoolExecutor | None = None
+        self._calls: DiskCalls | None = None
+        self._data: AsyncFileIO | None = None  # the data file; _dfd is its fd, for the batch jobs
         self._hasher: Hasher | None = None
         self._journal = Journal(self.path, self._kb, num_slots, fsync=fsync, compact_slack=0, limit=0)
         self._io = RecordIO(self.record_size, self._bpb)
@@ -117,8 +121,8 @@ class DiskStore:
         self._seq = 0
         self._writing = np.zeros(num_slots, bool)  # slots with a write in flight
         # Buffered pwrites to one file serialize on its inode lock: a second writer measured slower, not
-        # faster. Held by the executor thread, never by the loop.
-        self._write_lock = threading.Lock()
+        # faster. Held across a batch's invalidations and data (not its checksums or commits).
+        self._write_lock = asyncio.Lock()
 
     @property
     def journal_appends(self) -> int:
@@ -128,12 +132,12 @@ class DiskStore:
     # ---- lifecycle -------------------------------------------------------------------------------
     async def open(self) -> list[RecoveredBlock]:
         """Create or reopen the namespace dir; return committed blocks, oldest -> newest by seq."""
-        if self._executor is not None or self._closed:
+        if self._calls is not None or self._closed:
             raise DiskError(errno.EINVAL, "DiskStore.open() may be called once", self.path)
-        self._executor = ThreadPoolExecutor(self._io_threads, thread_name_prefix="tkv-disk")
+        self._calls = DiskCalls(self._io_threads)
         self._hasher = Hasher(self._hash_threads)
         try:
-            self.recovered = await self._call(self._open_sync)
+            self.recovered = await self._calls.shielded(self._open_files())
         except BaseException as e:
             await self.aclose()
             if isinstance(e, OSError) and not isinstance(e, DiskError):
@@ -155,27 +159,30 @@ class DiskStore:
         if self._closed:
             return
         self._closed = True
-        if self._executor is None:
+        calls = self._calls
+        if calls is None:
             return
         try:
+            await calls.drain()  # batches in flight end before their files close
             if self._journal.fd >= 0:
-                await self._call(self._flush_sync)
+                await calls.shielded(self._journal.before_write(np.zeros(0, np.int64), self._seq))
         except OSError as e:
             log.warning("disk tier: final journal flush failed in %s: %s", self.path, e)
         finally:
-            # shutdown(wait=True) joins the pool's threads, so it cannot run inside the pool itself.
-            await asyncio.to_thread(self._shutdown_sync)
+            await calls.shielded(self._close_files())
+            await calls.shutdown()
+            if self._hasher is not None:
+                await asyncio.to_thread(self._hasher.close)
 
-    def _shutdown_sync(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-        if self._hasher is not None:
-            self._hasher.close()
-        self._journal.close()
-        fds, self._dfd, self._nsfd, self._lockfd = (self._dfd, self._nsfd, self._lockfd), -1, -1, -1
+    async def _close_files(self) -> None:
+        await self._journal.close()
+        data, self._data, self._dfd = self._data, None, -1
+        if data is not None:
+            await data.close()
+        fds, self._nsfd, self._lockfd = (self._nsfd, self._lockfd), -1, -1
         for fd in fds:  # the lock fd last: closing it releases the flock
             if fd >= 0:
-                os.close(fd)
+                await self._calls.run(os.close, fd)
 
     # ---- public I/O ------------------------------------------------------------------------------
     async def write_many(self, disk_slots: np.ndarray, keys: np.ndarray, src: np.ndarray,
@@ -206,7 +213,7 @@ class DiskStore:
         slots = d[order]
         self._writing[slots] = True
         try:
-            syscalls = await self._call(self._write_sync, slots, keys[order], seqs, src, c[order].tolist())
+            syscalls = await self._calls.shielded(self._write(slots, keys[order], seqs, src, c[order].tolist()))
         except Exception as e:
             self.write_errors += 1
             # DEBUG: the caller gets the error; DiskIO turns it into one WARNING and a degraded tier.
@@ -240,8 +247,8 @@ class DiskStore:
             return np.zeros(0, bool)
         order = np.argsort(d, kind="stable")
         try:
-            ok_sorted, whys, syscalls = await self._call(self._read_sync, d[order], keys[order], dst,
-                                                         c[order].tolist())  # fmt: skip
+            ok_sorted, whys, syscalls = await self._calls.shielded(self._calls.run(
+                self._read_sync, d[order], keys[order], dst, c[order].tolist()))  # fmt: skip
         except OSError as e:
             if isinstance(e, DiskError):
                 raise
@@ -273,11 +280,11 @@ class DiskStore:
     async def flush(self) -> None:
         """Journal queued invalidations now (and fdatasync the journal when fsync=True)."""
         self._check_open()
-        await self._call(self._flush_sync)
+        await self._calls.shielded(self._journal.before_write(np.zeros(0, np.int64), self._seq))
 
     # ---- argument checks on the loop (vectorized) ------------------------------------------------
     def _check_open(self) -> None:
-        if self._closed or self._executor is None or self._dfd < 0:
+        if self._closed or self._calls is None or self._dfd < 0:
             raise DiskError(errno.EBADF, "disk store is not open", self.path)
 
     def _slot_array(self, a: Any, name: str, limit: int) -> np.ndarray:
@@ -313,37 +320,48 @@ class DiskStore:
                                  f"{getattr(keys, 'shape', '')}")  # fmt: skip
         return keys
 
-    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        fut = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-        return await wait_to_end(fut)
-
-    # ---- executor jobs ---------------------------------------------------------------------------
-    def _open_sync(self) -> list[RecoveredBlock]:
-        # Each fd goes into self as soon as it exists: a failure later on is cleaned up by aclose().
-        self._nsfd, self._lockfd = open_namespace_dir(self.root, self.namespace, allow_symlink=self._allow_symlink)
-        self._dfd = open_private(DATA_FILE, dir_fd=self._nsfd, path=os.path.join(self.path, DATA_FILE))
+    # ---- the protocols (each runs as one shielded task) -----------------------------------------------
+    async def _open_files(self) -> list[RecoveredBlock]:
+        # Each file goes into self as soon as it is open: a failure later on is cleaned up by aclose().
+        calls = self._calls
+        self._nsfd, self._lockfd = await calls.run(open_namespace_dir, self.root, self.namespace,
+                                                   allow_symlink=self._allow_symlink)  # fmt: skip
+        self._data = await calls.open(DATA_FILE, dir_fd=self._nsfd, path=os.path.join(self.path, DATA_FILE))
+        self._dfd = self._data.fileno()
         self._journal.compact_slack = self.compact_slack
         self._journal.limit = journal_limit(self.num_slots, self.journal_floor)
         self._journal.read_chunk = self.journal_read_chunk
-        keys, slots, seqs = self._journal.load(self._nsfd)  # drops (and compacts away) slots >= num_slots
+        keys, slots, seqs = await self._journal.load(calls, self._nsfd)  # drops (and compacts away) slots >= num_slots
         self._seq = self._journal.max_seq
-        if os.fstat(self._dfd).st_size != self.num_slots * self.record_size:
-            os.ftruncate(self._dfd, self.num_slots * self.record_size)  # sparse; a smaller num_slots cuts the tail
-        self._setup_direct()
+        if (await calls.stat(self._dfd)).st_size != self.num_slots * self.record_size:
+            await self._data.truncate(self.num_slots * self.record_size)  # sparse; a smaller num_slots cuts the tail
+        await self._setup_direct()
         log.info("disk tier %s: %d blocks recovered, %d slots of %d bytes, O_DIRECT %s", self.path,
                  len(slots), self.num_slots, self.record_size, self.o_direct_active)  # fmt: skip
         return list(map(RecoveredBlock._make, zip(keys, slots, seqs, strict=True)))
 
-    def _setup_direct(self) -> None:
-        if self._want_direct:
-            fd, self.o_direct_reason = probe_o_direct(os.path.join(self.path, DATA_FILE), self._open_direct)
-            if fd < 0:
-                log.warning("disk tier: O_DIRECT requested but unusable, falling back to buffered I/O: %s",
-                            self.o_direct_reason)  # fmt: skip
-                return
-            os.close(self._dfd)
-            self._dfd, self.o_direct_active = fd, True
-            self._io.use_direct()
+    async def _setup_direct(self) -> None:
+        if not self._want_direct:
+            return
+        path = os.path.join(self.path, DATA_FILE)
+        if not hasattr(os, "O_DIRECT"):
+            self.o_direct_reason = "O_DIRECT is not available on this platform"
+        else:
+            try:
+                f = await self._calls.open(DATA_FILE, dir_fd=self._nsfd, path=path,
+                                            opener=lambda _name: self._open_direct(path))
+            except OSError as e:
+                self.o_direct_reason = f"O_DIRECT open failed on {path}: {e}"
+            else:
+                self.o_direct_reason = await self._calls.run(probe_aligned_read, f.fileno(), path)
+                if not self.o_direct_reason:
+                    old, self._data, self._dfd, self.o_direct_active = self._data, f, f.fileno(), True
+                    self._io.use_direct()
+                    await old.close()
+                    return
+                await f.close()
+        log.warning("disk tier: O_DIRECT requested but unusable, falling back to buffered I/O: %s",
+                    self.o_direct_reason)  # fmt: skip
 
     def _open_direct(self, path: str) -> int:
         fd = os.open(DATA_FILE, os.O_RDWR | os.O_DIRECT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0),
@@ -354,18 +372,24 @@ class DiskStore:
             raise OSError(errno.ESTALE, "data file changed while opening it", path)
         return fd
 
-    def _write_sync(self, slots: np.ndarray, keys: np.ndarray, seqs: np.ndarray, src: np.ndarray,
-                    rows: list[int]) -> int:  # fmt: skip
+    async def _write(self, slots: np.ndarray, keys: np.ndarray, seqs: np.ndarray, src: np.ndarray,
+                     rows: list[int]) -> int:  # fmt: skip
         """Invalidations, data, commits for one batch sorted by slot; returns the data syscalls made."""
+        calls = self._calls
+        async with self._write_lock if not self.o_direct_active else contextlib.nullcontext():
+            await self._journal.before_write(slots, int(seqs.max()))  # the old blocks stop being offered first
+            psums, syscalls = await calls.run(self._write_records, slots, keys, seqs, src, rows)
+            if self._fsync:
+                await calls.fdatasync(self._dfd)
+        await self._journal.commit(slots, seqs, keys, psums)
+        return syscalls
+
+    def _write_records(self, slots: np.ndarray, keys: np.ndarray, seqs: np.ndarray, src: np.ndarray,
+                       rows: list[int]) -> tuple[np.ndarray, int]:  # fmt: skip
+        """The batch's checksums and data, in one executor job: one pwritev per run of consecutive slots."""
         psums = self._hasher.rows(src, rows)
         headers = encode_headers(slots, keys, self._bpb, seqs, psums)
-        with self._write_lock if not self.o_direct_active else contextlib.nullcontext():
-            self._journal.before_write(slots, int(seqs.max()))  # the old blocks stop being offered first
-            syscalls = self._io.write_batch(self._dfd, slots, headers, src, rows)
-            if self._fsync:
-                os.fdatasync(self._dfd)
-        self._journal.commit(slots, seqs, keys, psums)
-        return syscalls
+        return psums, self._io.write_batch(self._dfd, slots, headers, src, rows)
 
     def _read_sync(self, slots: np.ndarray, keys: np.ndarray, dst: np.ndarray, rows: list[int]
                    ) -> tuple[np.ndarray, list[str], int]:  # fmt: skip
@@ -381,7 +405,3 @@ class DiskStore:
             why = check_header(headers[i].tobytes(), slot, keys[i].tobytes(), self._bpb)[1] or "payload checksum mismatch"
             whys.append(f"slot {slot}: {'short read' if not whole[i] else why}")
         return ok, whys, syscalls
-
-    def _flush_sync(self) -> None:
-        self._journal.before_write(np.zeros(0, np.int64), self._seq)
-
