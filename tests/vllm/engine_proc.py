@@ -2,9 +2,16 @@
 
 Usage: python engine_proc.py SPEC_JSON_FILE. The spec names the model dir, the
 tiered_kv config (absent: no connector, the baseline) and the steps:
-``{"generate": [[ids...], ...]}`` (one batch through LLM.generate),
+``{"generate": [[ids...], ...]}`` (one batch through LLM.generate; ``"hints"`` adds
+``kv_transfer_params={"tiered_kv": hints}`` to its requests),
 ``{"reset": true}`` (llm.reset_prefix_cache()) or ``{"concurrent": [[ids...], ...]}``
 (all at once through AsyncLLM; the spec then sets ``"async": true``).
+``"hold": true`` prints the report and then sleeps with the engine alive (to be killed).
+``"tp": 2`` runs tensor parallel (two worker processes); ``"env"`` sets
+variables before vLLM is imported (nothing is overridden otherwise: vLLM's default
+engine, its EngineCore in another process). The connector's counters and its
+cache's stats come from ``stats_file``, which the scheduler half writes as the
+engine shuts down, wherever that process is.
 Each real test runs engines as subprocesses: a second engine in one process
 is not something vLLM supports, and the restart test needs a fresh process anyway.
 """
@@ -18,7 +25,6 @@ import sys
 import time
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # scheduler and worker in this process: stats are readable
 
 MAX_TOKENS = 12
 
@@ -27,7 +33,12 @@ def engine_args(spec: dict) -> dict:
     from vllm.config import KVTransferConfig
 
     args = dict(model=spec["model"], enforce_eager=True, block_size=32, max_model_len=1024,
-                skip_tokenizer_init=True, dtype="bfloat16", seed=0)  # fmt: skip
+                skip_tokenizer_init=True, dtype="bfloat16", seed=0, disable_log_stats=not spec.get("log_stats"),
+                tensor_parallel_size=spec.get("tp", 1))  # fmt: skip
+    for key, arg in (("max_num_seqs", "max_num_seqs"), ("num_gpu_blocks", "num_gpu_blocks_override"),
+                     ("max_num_batched_tokens", "max_num_batched_tokens"), ("max_model_len", "max_model_len")):
+        if spec.get(key):
+            args[arg] = spec[key]
     if spec.get("tiered_kv") is not None:
         args["kv_transfer_config"] = KVTransferConfig(
             kv_connector="TieredKVConnector",
@@ -40,7 +51,12 @@ def engine_args(spec: dict) -> dict:
 
 
 def result(out) -> dict:
-    return {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0}
+    res = {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0}
+    m = getattr(out, "metrics", None)  # with "log_stats": the engine core's timestamps
+    if m is not None and m.num_generation_tokens > 1:
+        res["decode_s"] = (m.last_token_ts - m.first_token_ts) / (m.num_generation_tokens - 1)
+        res["preemptions"] = m.num_preemptions
+    return res
 
 
 def run_sync(spec: dict) -> list:
@@ -56,8 +72,15 @@ def run_sync(spec: dict) -> list:
             llm.reset_prefix_cache()
         else:
             t = time.monotonic()
-            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in step["generate"]], sp, use_tqdm=False)
+            params = sp
+            if step.get("hints"):  # kv_transfer_params {"tiered_kv": {...}} for every request of the step
+                params = sp.clone()
+                params.extra_args = {"kv_transfer_params": {"tiered_kv": step["hints"]}}
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in step["generate"]], params, use_tqdm=False)
             report.append({"outputs": [result(o) for o in outs], "wall_s": time.monotonic() - t})
+    settle(spec)
+    if not spec.get("hold"):
+        llm.llm_engine.engine_core.shutdown()
     return report
 
 
@@ -86,33 +109,51 @@ async def run_async(spec: dict) -> list:
                 prompts = step.get("concurrent") or step["generate"]
                 outs = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
                 report.append({"outputs": list(outs)})
+        settle(spec)
     finally:
         engine.shutdown()  # the engine core (another process under AsyncLLM) writes stats_file as it closes
-    with open(spec["stats_file"]) as f:
-        report.append(json.load(f))
     return report
 
 
-def runtime_report() -> dict:
-    from tiered_kv.integrations.vllm.runtime import all_runtimes
+def settle(spec: dict, quiet_s: float = 1.0, limit_s: float = 30.0) -> None:
+    """Wait until stats_file has not changed for ``quiet_s``: the engine's last stores have landed.
 
-    runtimes = all_runtimes()
-    if not runtimes:
+    The scheduler half rewrites the file whenever its counters move; the EngineCore (another
+    process) may be killed at shutdown before it closes, so the file is read before that.
+    """
+    path = spec.get("stats_file")
+    if spec.get("tiered_kv") is None or not path:
+        return
+    last, since, t0 = None, time.monotonic(), time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        now = os.stat(path).st_mtime_ns if os.path.exists(path) else None
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.1)
+
+
+def stats_report(spec: dict) -> dict:
+    path = spec.get("stats_file")
+    if spec.get("tiered_kv") is None or not path or not os.path.exists(path):
         return {}
-    return {"counters": dict(runtimes[0].counters), "stats": runtimes[0].stats()}
+    with open(path) as f:
+        return json.load(f)
 
 
 def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
-    if spec.get("async"):
-        steps = asyncio.run(run_async(spec))
-        extra = steps.pop()
-    else:
-        steps = run_sync(spec)
-        extra = runtime_report()
+    os.environ.update(spec.get("env", {}))
+    if spec.get("tp", 1) > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(spec["tp"])))
+    steps = asyncio.run(run_async(spec)) if spec.get("async") else run_sync(spec)
+    extra = stats_report(spec)
     print("ENGINE_REPORT " + json.dumps({"steps": steps, **extra}), flush=True)
     sys.stdout.flush()
+    if spec.get("hold"):  # the kill -9 test kills this process group here, engine alive and idle
+        time.sleep(3600)
 
 
 if __name__ == "__main__":

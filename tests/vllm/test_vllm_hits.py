@@ -10,7 +10,9 @@ pytestmark = pytest.mark.slow
 
 
 def test_cross_request_hit_is_served_by_tiered_kv_with_identical_output(model_dir, baseline, tmp_path):
-    steps = [{"generate": [PROMPT_A]}, {"reset": True}, {"generate": [PROMPT_B]}]
+    # B ends the session A began: the hint reaches the cache's release, which frees the session's chain.
+    steps = [{"generate": [PROMPT_A], "hints": {"session": "chat-1", "expect_followup": True}}, {"reset": True},
+             {"generate": [PROMPT_B], "hints": {"session": "chat-1", "end_session": True}}]  # fmt: skip
     report = run_engine({"model": model_dir, "tiered_kv": cache_config(), "steps": steps}, tmp_path)
     (a,), (b,) = outputs(report)
     assert a["cached"] == 0
@@ -20,6 +22,7 @@ def test_cross_request_hit_is_served_by_tiered_kv_with_identical_output(model_di
     assert report["counters"].get("load_error_blocks", 0) == 0
     assert a["tokens"] == baseline[tuple(PROMPT_A)]
     assert b["tokens"] == baseline[tuple(PROMPT_B)]
+    assert report["counters"]["released_blocks"] >= len(PROMPT_B) // BLOCK
 
 
 def test_pressure_small_cpu_tier_hits_come_from_disk(model_dir, baseline, tmp_path):
@@ -27,7 +30,9 @@ def test_pressure_small_cpu_tier_hits_come_from_disk(model_dir, baseline, tmp_pa
     cfg = cache_config(tmp_path / "disk", cpu="256KiB")
     steps = [{"generate": [PROMPT_A]}, *({"generate": [f]} for f in FILLERS), {"reset": True},
              {"generate": [PROMPT_B]}]  # fmt: skip
-    report = run_engine({"model": model_dir, "tiered_kv": cfg, "steps": steps}, tmp_path)
+    # The in-process engine: scheduler and worker open the one shared segment in one process.
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    report = run_engine({"model": model_dir, "tiered_kv": cfg, "steps": steps, "env": env}, tmp_path)
     outs = outputs(report)
     b = outs[-1][0]
     assert b["cached"] >= PREFIX_TOKENS

@@ -10,10 +10,10 @@ Load it with::
         kv_connector_extra_config={"config": "tiered_kv.yaml"},
     )
 
-``keys`` and ``runtime`` do not import vLLM; ``connector`` does.
+``keys``, ``geometry`` and ``runtime`` do not import vLLM; ``connector`` does.
 """
 
 from .keys import request_block_keys, request_salt
-from .runtime import CacheRuntime, find_runtime
+from .runtime import find_runtime
 
-__all__ = ["CacheRuntime", "find_runtime", "request_block_keys", "request_salt"]
+__all__ = ["find_runtime", "request_block_keys", "request_salt"]

@@ -1,14 +1,11 @@
-"""The worker's TieredKVCache, run on an event loop in a thread this plug-in owns.
+"""Loop threads for the connector, and its config.
 
-vLLM calls its connector synchronously from the engine's own thread. Every
-cache call is sent to the loop thread and waited for there, so the cache's
-bookkeeping stays single-threaded as the library requires, and a load or store
-has finished (or failed) before the connector returns to vLLM: the engine may
-reuse those GPU blocks the moment it gets control back.
-
-Residency lives here, in the worker. A scheduler in the same process (vLLM's
-in-process executor, one worker) finds this runtime through ``find_runtime``
-and asks it directly; see connector.py for what happens otherwise.
+vLLM calls its connector synchronously from the engine's own thread. tiered_kv's
+state lives on an asyncio loop in a thread the plug-in owns (``LoopThread``): the
+scheduler half runs its TieredKVCache there (scheduler_side.py). ``CacheRuntime``
+is the synchronous facade over a whole local TieredKVCache on such a thread, every
+call waited for (a process that owns both the tensors and the cache; tests and
+tools use it, the vLLM connector does not since the scheduler/worker split).
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ import json
 import logging
 import threading
 from collections import Counter
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +30,7 @@ from ...loops import new_loop
 
 log = logging.getLogger(__name__)
 
-_RUNTIMES: dict[str, CacheRuntime] = {}
+_RUNTIMES: dict[str, Any] = {}
 _RUNTIMES_LOCK = threading.Lock()
 
 CALL_TIMEOUT_S = 120.0  # a load or store that takes longer is a fault, reported as one
@@ -72,44 +69,28 @@ def resolve_config(raw: Any, model_id: str, revision: str | None, bytes_per_bloc
     return load_config(data)
 
 
-class CacheRuntime:
-    """One TieredKVCache plus the loop thread it lives on."""
+class LoopThread:
+    """An event loop (tiered_kv.loops) on a daemon thread; ``call`` waits for a coroutine, ``submit`` does not."""
 
-    def __init__(self, cfg: Config, layout: KVLayout, *, rank: int = 0, world_size: int = 1) -> None:
-        from ... import TieredKVCache
-
+    def __init__(self, name: str = "tiered-kv-vllm", device: Any = None) -> None:
         self._loop = new_loop()  # uvloop unless TIERED_KV_UVLOOP=0 (tiered_kv.loops)
-        self._device = layout.device
-        self._thread = threading.Thread(target=self._run_loop, name="tiered-kv-vllm", daemon=True)
+        self._device = device
+        self._thread = threading.Thread(target=self._run_loop, name=name, daemon=True)
         self._thread.start()
-        self._closed = False
-        self.counters: Counter[str] = Counter()  # loaded / load_error / stored blocks, for stats and tests
-
-        async def build() -> Any:
-            cache = TieredKVCache(cfg, layout, rank=rank, world_size=world_size)
-            await cache.start()
-            return cache
-
-        try:
-            self.cache = self.call(build())
-        except BaseException:
-            self._stop_loop()
-            raise
-        self.keyer = self.cache.keyer
-        self.key = ""
-        self.stats_file: str | None = None  # kv_connector_extra_config.stats_file: final stats, written at close
-        _close_before_executors_exit(self)
 
     def _run_loop(self) -> None:
         # The loop thread is ours: its current device must be the KV tensors' (the copy
         # engine's CUDA calls run here), or each call would create a context on GPU 0.
-        if self._device.type == "cuda":
+        if self._device is not None and self._device.type == "cuda":
             import torch
 
             torch.cuda.set_device(self._device)
         self._loop.run_forever()
 
-    # -- calls from vLLM's threads --------------------------------------------------------
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
+        """Start ``coro`` on the loop; its outcome comes back on the returned future."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
     def call(self, coro: Coroutine[Any, Any, Any], timeout: float = CALL_TIMEOUT_S) -> Any:
         """Run ``coro`` on the loop and wait for it, at most ``timeout`` seconds before cancelling it.
 
@@ -144,6 +125,40 @@ class CacheRuntime:
                 if not self._thread.is_alive():
                     raise TransferError("tiered_kv: the cache's loop thread stopped during a call") from None
                 log.warning("tiered_kv: a call cancelled after %.0f s is still waiting for its copies", timeout)
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    stop = _stop_loop
+
+
+class CacheRuntime(LoopThread):
+    """One TieredKVCache plus the loop thread it lives on."""
+
+    def __init__(self, cfg: Config, layout: KVLayout, *, rank: int = 0, world_size: int = 1) -> None:
+        from ... import TieredKVCache
+
+        super().__init__("tiered-kv-vllm", layout.device)
+        self._closed = False
+        self.counters: Counter[str] = Counter()  # loaded / load_error / stored blocks, for stats and tests
+
+        async def build() -> Any:
+            cache = TieredKVCache(cfg, layout, rank=rank, world_size=world_size)
+            await cache.start()
+            return cache
+
+        try:
+            self.cache = self.call(build())
+        except BaseException:
+            self._stop_loop()
+            raise
+        self.keyer = self.cache.keyer
+        self.key = ""
+        self.stats_file: str | None = None  # kv_connector_extra_config.stats_file: final stats, written at close
+        close_before_executors_exit(self.close)
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """Leading keys resident in some tier (being stored does not count); touches them."""
@@ -193,11 +208,6 @@ class CacheRuntime:
         except Exception:  # a report is not worth failing a shutdown for
             log.exception("tiered_kv: writing stats to %s failed", path)
 
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=30)
-        if not self._thread.is_alive():
-            self._loop.close()
 
 
 def _settle(outcome: concurrent.futures.Future, task: asyncio.Task) -> None:
@@ -209,7 +219,7 @@ def _settle(outcome: concurrent.futures.Future, task: asyncio.Task) -> None:
         outcome.set_result(task.result())
 
 
-def _close_before_executors_exit(runtime: CacheRuntime) -> None:
+def close_before_executors_exit(close: Callable[[], None]) -> None:
     """Close (flushing the disk tier) before concurrent.futures stops its executors at exit.
 
     vLLM may shut the connector down from a finalizer that runs after those
@@ -220,24 +230,30 @@ def _close_before_executors_exit(runtime: CacheRuntime) -> None:
     if register is None:  # not CPython: the plain atexit hook is the best there is
         import atexit
 
-        atexit.register(runtime.close)
+        atexit.register(close)
     else:
-        register(runtime.close)
+        register(close)
 
 
-def publish_runtime(key: str, runtime: CacheRuntime) -> None:
-    """Make the worker's runtime visible to a scheduler-side connector in this process."""
+def publish_runtime(key: str, runtime: Any) -> None:
+    """Register a runtime (or the connector's scheduler half) under its engine id, for in-process readers."""
     runtime.key = key
     with _RUNTIMES_LOCK:
         _RUNTIMES[key] = runtime
 
 
-def find_runtime(key: str) -> CacheRuntime | None:
+def find_runtime(key: str) -> Any:
     with _RUNTIMES_LOCK:
         return _RUNTIMES.get(key)
 
 
-def all_runtimes() -> list[CacheRuntime]:
+def unpublish_runtime(key: str, runtime: Any) -> None:
+    with _RUNTIMES_LOCK:
+        if _RUNTIMES.get(key) is runtime:
+            del _RUNTIMES[key]
+
+
+def all_runtimes() -> list[Any]:
     """Every live runtime in this process (tests and the bench read their stats)."""
     with _RUNTIMES_LOCK:
         return list(_RUNTIMES.values())

@@ -1,0 +1,57 @@
+"""kill -9 of a running engine: the next start reclaims its shared CPU segment and serves only what disk verified."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import BLOCK, HERE, PREFIX_TOKENS, PROMPT_A, PROMPT_B, cache_config, outputs, run_engine
+
+NEEDS_VLLM = True
+pytestmark = pytest.mark.slow
+
+
+def start_and_kill(spec: dict, tmp, timeout: float = 240) -> dict:
+    """Run an engine that holds after its steps; SIGKILL its whole process group once it reported."""
+    spec_file = tmp / "spec-killed.json"
+    spec_file.write_text(json.dumps({**spec, "hold": True}))
+    proc = subprocess.Popen([sys.executable, str(HERE / "engine_proc.py"), str(spec_file)], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, cwd=tmp, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + timeout
+    try:
+        for line in proc.stdout:
+            if line.startswith("ENGINE_REPORT "):
+                return json.loads(line[len("ENGINE_REPORT ") :])
+            if time.monotonic() > deadline:
+                break
+        pytest.fail(f"engine exited {proc.poll()} without a report")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the EngineCore and its workers are in this group too
+        proc.wait(30)
+
+
+def test_kill_9_then_next_start_reclaims_the_segment_and_hits_from_disk(model_dir, baseline, tmp_path):
+    shm = tmp_path / "shm"
+    cfg = cache_config(tmp_path / "disk", shm=shm)
+    killed = start_and_kill({"model": model_dir, "tiered_kv": cfg, "steps": [{"generate": [PROMPT_A]}],
+                             "stats_file": str(tmp_path / "stats-killed.json")}, tmp_path)  # fmt: skip
+    assert outputs(killed)[0][0]["tokens"] == baseline[tuple(PROMPT_A)]
+    assert killed["counters"]["stored_blocks"] >= PREFIX_TOKENS // BLOCK
+    time.sleep(1)  # the kernel drops a killed process's flocks as it reaps it
+    left = sorted(p.name for p in shm.glob("tkv-*.kv"))
+    assert len(left) == 1, left  # the dead engine's segment, never removed
+
+    report = run_engine({"model": model_dir, "tiered_kv": cfg, "steps": [{"generate": [PROMPT_B]}]}, tmp_path)
+    (b,) = outputs(report)[0]
+    assert left[0] not in {p.name for p in shm.glob("tkv-*.kv")}  # reclaimed at start (and ours removed at close)
+    assert b["cached"] >= PREFIX_TOKENS
+    metrics = report["stats"]["metrics"]
+    assert metrics["tiered_kv_hit_blocks_total{disk}"] >= PREFIX_TOKENS // BLOCK
+    assert metrics["tiered_kv_hit_blocks_total{cpu}"] == 0  # the CPU tier started empty: nothing read from it
+    assert report["counters"].get("load_error_blocks", 0) == 0
+    assert b["tokens"] == baseline[tuple(PROMPT_B)]
