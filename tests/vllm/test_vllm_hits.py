@@ -23,6 +23,9 @@ def test_cross_request_hit_is_served_by_tiered_kv_with_identical_output(model_di
     assert a["tokens"] == baseline[tuple(PROMPT_A)]
     assert b["tokens"] == baseline[tuple(PROMPT_B)]
     assert report["counters"]["released_blocks"] >= len(PROMPT_B) // BLOCK
+    # take_events told vLLM (for a router) of A's stored blocks, in vLLM's own block hashes: only blocks whose
+    # request.block_hashes were booked at store time are translated, so this counts hashes vLLM handed us.
+    assert report["counters"]["event_stored_cpu_blocks"] >= PREFIX_TOKENS // BLOCK
 
 
 def test_pressure_small_cpu_tier_hits_come_from_disk(model_dir, baseline, tmp_path):

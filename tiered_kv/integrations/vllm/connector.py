@@ -118,6 +118,9 @@ class TieredKVConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched.request_finished(request), None
 
+    def take_events(self) -> list[Any]:
+        return self._sched.take_events() if self._sched is not None else []
+
     # == both ================================================================================
     def get_kv_connector_stats(self) -> TieredKVStats | None:
         return self._stats_delta.take(self._sched.counters) if self._sched is not None else None

@@ -22,6 +22,7 @@ from ...errors import ConfigError
 from ...layout import KVLayout
 from ...split.proxy import request_scope
 from ...split.scheduler import open_scheduler_cache
+from .events import HashBook, to_vllm_events
 from .geometry import check_rank_bytes, scheduler_bytes_per_block
 from .hints import NO_HINTS, RequestHints, hints_of
 from .keys import request_block_keys, salt_of
@@ -81,6 +82,8 @@ class SchedulerHalf:
         self._loads: dict[str, _Load] = {}
         self._loaded_upto: dict[str, int] = {}  # blocks resident after a finished load (next_store starts there)
         self._held: dict[str, list[concurrent.futures.Future]] = {}  # finished, blocks kept until stores resolve
+        self._vllm_hashes: dict[str, Any] = {}  # req -> request.block_hashes (vLLM's live list)
+        self._book = HashBook(cap=1 << 20)  # our key -> vLLM hash, for the router's KV events
         self._closed = False
         publish_runtime(engine_id, self)
         close_before_executors_exit(self.close)
@@ -109,6 +112,7 @@ class SchedulerHalf:
     # -- residency ------------------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
         self._salts[request.request_id] = salt_of(request)
+        self._vllm_hashes[request.request_id] = getattr(request, "block_hashes", None)
         hints = hints_of(request)
         if hints is not NO_HINTS:
             self._hints[request.request_id] = hints
@@ -245,6 +249,9 @@ class SchedulerHalf:
         keys, prefix, ids = req.keys[start:end], req.keys[:start], req.block_ids[start:end]
         cache, tag = self._side.cache, req.tag(rid)
         hints = self._hints.get(rid, NO_HINTS)
+        hashes = self._vllm_hashes.get(rid)
+        if hashes is not None and len(hashes) >= end:
+            self._book.remember(keys, hashes[start:end])
 
         async def store() -> None:
             with request_scope(tag):
@@ -268,6 +275,7 @@ class SchedulerHalf:
         """True: vLLM keeps the request's blocks until a later step reports its stores resolved."""
         rid = request.request_id
         self._salts.pop(rid, None)
+        self._vllm_hashes.pop(rid, None)
         self._prompt_keys.pop(rid, None)
         self._asked.pop(rid, None)
         self._loaded_upto.pop(rid, None)
@@ -293,6 +301,21 @@ class SchedulerHalf:
             self.counters["released_blocks"] += len(cache.release(session))
 
         self._loop.submit(release())
+
+    def take_events(self) -> list[Any]:
+        """The tiers' stored/removed blocks since the last call, as vLLM KV events in vLLM's block hashes."""
+        if self._side is None:
+            return []
+        cache = self._side.cache
+
+        async def run() -> list[tuple[str, str, list[bytes]]]:
+            return cache.take_events()
+
+        records = self._book.translate(self._loop.call(run()))
+        for stored, medium, hashes in records:  # counted, so stats_file shows what a router was told
+            self.counters[f"event_{'stored' if stored else 'removed'}_{medium.lower()}_blocks"] += len(hashes)
+        events = to_vllm_events(records, self._bs)
+        return events
 
     # -- stats and shutdown ---------------------------------------------------------------------
     def _stats(self) -> dict[str, Any]:
