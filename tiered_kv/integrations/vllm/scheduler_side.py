@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +75,7 @@ class SchedulerHalf:
         self._side: Any = None  # split.scheduler.SchedulerSide, once the workers' handshake arrived
         self.counters: Counter[str] = Counter()
         self._written: Counter[str] | None = None  # the counters stats_file last showed
+        self._stats_lock = threading.Lock()
         self._reqs: dict[str, _Req] = {}
         self._salts: dict[str, tuple[int, ...]] = {}
         self._prompt_keys: dict[str, list[bytes]] = {}
@@ -299,6 +301,9 @@ class SchedulerHalf:
             if stores:  # a failed store is no reason to keep the session
                 await asyncio.wait([asyncio.wrap_future(f) for f in stores])
             self.counters["released_blocks"] += len(cache.release(session))
+            # The release may come after the engine's last step, and vLLM may kill the EngineCore
+            # before close: write the counters now, off the loop (the report reads stats on it).
+            await asyncio.get_running_loop().run_in_executor(None, self._maybe_write_stats)
 
         self._loop.submit(release())
 
@@ -331,15 +336,16 @@ class SchedulerHalf:
         """``stats_file``: rewritten whenever the counters moved (vLLM may kill the EngineCore at shutdown
         before the connector closes, so the file cannot wait for close)."""
         path = self._extra.get("stats_file")
-        if not path or self._side is None or (not force and self.counters == self._written):
-            return
-        self._written = Counter(self.counters)
-        try:
-            tmp = Path(f"{path}.tmp")
-            tmp.write_text(json.dumps(self.report(), default=str))
-            tmp.replace(path)
-        except Exception:  # a report is not worth failing a step for
-            log.exception("tiered_kv: writing stats to %s failed", path)
+        with self._stats_lock:  # the scheduler thread and a session release may both write
+            if not path or self._side is None or (not force and (self._closed or self.counters == self._written)):
+                return
+            self._written = Counter(self.counters)
+            try:
+                tmp = Path(f"{path}.tmp")
+                tmp.write_text(json.dumps(self.report(), default=str))
+                tmp.replace(path)
+            except Exception:  # a report is not worth failing a step for
+                log.exception("tiered_kv: writing stats to %s failed", path)
 
     def close(self) -> None:
         if self._closed:
