@@ -1,4 +1,4 @@
-"""What travels between the connector's halves each step (pickled by vLLM's executors)."""
+"""What travels between the connector's halves each step (vLLM's executors serialise it between its own processes; tiered_kv never deserialises data read from disk or the network)."""
 
 from __future__ import annotations
 
