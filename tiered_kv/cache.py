@@ -29,6 +29,7 @@ from .layout import KVLayout
 from .lifecycle import Lifecycle, wait_to_end
 from .manager import LookupResult, TierManager
 from .manager.loading import key_rows
+from .manager.tier_index import READY
 from .metrics import CacheMetrics
 from .mover import DiskIO, Mover, load_handler, store_handler
 from .moves import Moves, StoreResult, _Op
@@ -257,6 +258,40 @@ class TieredKVCache(Moves, Lifecycle):
         self._check_open()
         check_keys(keys, self._key_bytes)
         return self.manager.tiers_of(keys)
+
+    async def reset(self) -> bool:
+        """Forget every block of every tier (the KV of old weights, after an update): the CPU tier's
+        index and the policies' history start empty, every disk record is invalidated in the journal
+        (a restart recovers none), the remote namespace is emptied on every server.
+
+        Returns False, changing nothing, while a load, store or spill is in flight: a reset never
+        races a copy (try again once they have finished). A remote tier that cannot be emptied
+        (unreachable) is logged and counted; the local tiers are reset all the same.
+        """
+        self._check_open()
+        busy = [t for t in self._tasks if not t.done() and t is not self._probing]
+        if busy or self._budget.used or getattr(self._engine, "inflight", 0):
+            return False
+        old = self.manager
+        disk_slots = np.flatnonzero(old.disk.state == READY) if old.disk is not None else None
+        self.manager = self._new_manager()  # the check above and this swap: no await between them
+        self.manager.disk_writable = old.disk_writable
+        if self.remote is not None:
+            self.manager.remote_known = self.remote.known
+            self.manager.remote_write = self.config.tiers.remote.write
+        if self._probing is not None:
+            self._probing.cancel()
+        if self.disk is not None and disk_slots is not None and len(disk_slots):
+            self.disk.invalidate(disk_slots)
+            await self.disk.store.flush()  # journaled before the call returns: a restart recovers none
+        if self.remote is not None:
+            from .errors import RemoteError
+
+            try:
+                await self.remote.purge()
+            except RemoteError as exc:
+                log.warning("tiered_kv reset: the remote tier's namespace could not be emptied: %s", exc)
+        return True
 
     def take_events(self) -> list[tuple[str, str, list[bytes]]]:
         """(kind, tier, keys) since the last call: stored, evicted, spilled, dropped (for a router)."""

@@ -128,3 +128,19 @@ async def test_write_back_sends_a_block_to_redis_only_when_the_cpu_evicts_it(red
         assert len(gone) == 2
         assert await cache.load(gone, [40, 41]) == 2
         assert holds(kv, 40, gone[0]) and holds(kv, 41, gone[1])
+
+
+async def test_reset_empties_the_remote_namespace_and_only_it(redis_server):
+    assert store_in_other_process(redis_server.url, 6) == (6, 6)
+    redis_server.raw(b"SET", b"someone-else:key", b"kept")  # another namespace's key survives
+    kv, cache = open_cache(redis_server.url)
+    async with cache:
+        keys = cache.keyer.keys_for_block_ids(range(6))
+        assert (await cache.probe(keys)).remote == 6
+        assert await cache.reset() is True
+        assert cache.lookup(keys).total == 0
+        assert (await cache.probe(keys)).total == 0  # gone from Redis, not only from the filter
+    assert b"kept" in redis_server.raw(b"GET", b"someone-else:key")
+    kv2, other = open_cache(redis_server.url)  # another instance of the namespace finds nothing either
+    async with other:
+        assert (await other.probe(keys)).total == 0

@@ -39,6 +39,10 @@ def engine_args(spec: dict) -> dict:
                      ("max_num_batched_tokens", "max_num_batched_tokens"), ("max_model_len", "max_model_len")):
         if spec.get(key):
             args[arg] = spec[key]
+    if spec.get("kv_events"):  # KV cache events on (published nowhere): the connector's take_events runs
+        from vllm.config import KVEventsConfig
+
+        args["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     if spec.get("tiered_kv") is not None:
         args["kv_transfer_config"] = KVTransferConfig(
             kv_connector="TieredKVConnector",
@@ -52,6 +56,9 @@ def engine_args(spec: dict) -> dict:
 
 def result(out) -> dict:
     res = {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0}
+    lps = out.outputs[0].logprobs
+    if lps:  # with "logprobs": the chosen token's logprob at each position
+        res["logprobs"] = [float(lp[t].logprob) for lp, t in zip(lps, res["tokens"], strict=False)]
     m = getattr(out, "metrics", None)  # with "log_stats": the engine core's timestamps
     if m is not None and m.num_generation_tokens > 1:
         res["decode_s"] = (m.last_token_ts - m.first_token_ts) / (m.num_generation_tokens - 1)
@@ -66,10 +73,16 @@ def run_sync(spec: dict) -> list:
     t0 = time.monotonic()
     llm = LLM(**engine_args(spec))
     report: list = [{"start_s": time.monotonic() - t0}]
-    sp = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", MAX_TOKENS), detokenize=False)
+    sp = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", MAX_TOKENS), detokenize=False,
+                        logprobs=1 if spec.get("logprobs") else None)  # fmt: skip
     for step in spec["steps"]:
         if step.get("reset"):
-            llm.reset_prefix_cache()
+            ok, tries = False, 0
+            while not ok and tries < (100 if step.get("connector") else 1):  # refused while jobs are in flight
+                ok, tries = llm.reset_prefix_cache(reset_connector=bool(step.get("connector"))), tries + 1
+                if not ok:
+                    time.sleep(0.05)
+            report.append({"reset_ok": bool(ok), "reset_tries": tries})
         else:
             t = time.monotonic()
             params = sp

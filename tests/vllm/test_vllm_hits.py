@@ -13,7 +13,7 @@ def test_cross_request_hit_is_served_by_tiered_kv_with_identical_output(model_di
     # B ends the session A began: the hint reaches the cache's release, which frees the session's chain.
     steps = [{"generate": [PROMPT_A], "hints": {"session": "chat-1", "expect_followup": True}}, {"reset": True},
              {"generate": [PROMPT_B], "hints": {"session": "chat-1", "end_session": True}}]  # fmt: skip
-    report = run_engine({"model": model_dir, "tiered_kv": cache_config(), "steps": steps}, tmp_path)
+    report = run_engine({"model": model_dir, "tiered_kv": cache_config(), "steps": steps, "kv_events": True}, tmp_path)
     (a,), (b,) = outputs(report)
     assert a["cached"] == 0
     # vLLM's own prefix cache was reset, so every cached token of B came from tiered_kv.
@@ -26,6 +26,10 @@ def test_cross_request_hit_is_served_by_tiered_kv_with_identical_output(model_di
     # take_events told vLLM (for a router) of A's stored blocks, in vLLM's own block hashes: only blocks whose
     # request.block_hashes were booked at store time are translated, so this counts hashes vLLM handed us.
     assert report["counters"]["event_stored_cpu_blocks"] >= PREFIX_TOKENS // BLOCK
+    # A hit whose blocks are all in the CPU tier is served in the step it is found: a synchronous load whose
+    # job rides in that step's metadata (so its forward reads the blocks in that very step).
+    assert report["counters"]["sync_loads"] == 1
+    assert report["counters"]["sync_load_jobs_sent"] == report["counters"]["sync_loads"]
 
 
 def test_pressure_small_cpu_tier_hits_come_from_disk(model_dir, baseline, tmp_path):

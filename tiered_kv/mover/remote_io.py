@@ -48,6 +48,15 @@ class RemoteIO:
     async def aclose(self) -> None:
         await self.store.aclose()
 
+    async def purge(self) -> int:
+        """Forget the namespace: every server's keys of it deleted, the residency filter emptied.
+        Returns how many keys Redis deleted; RemoteError when a server failed (the filter is still empty)."""
+        from ..tiers.remote.purge import purge_namespace
+
+        self.residency = RemoteResidency(self.residency.max_keys)
+        self.rejected = RemoteResidency(REJECTED_KEYS)
+        return await purge_namespace(self.store._conns, self.store._prefix)
+
     @property
     def writable(self) -> bool:
         return not self.store.degraded

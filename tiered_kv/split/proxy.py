@@ -187,6 +187,37 @@ class ProxyCopyEngine:
                        f"was sent: request {req_id!r} was preempted or finished")  # fmt: skip
         return len(gone)
 
+    def seal_request(self, req_id: str) -> None:
+        """Refuse the request's later jobs (they fail at submit, as after ``cancel_request``) but keep its
+        queued ones: a synchronous load whose first job rides in this step's metadata may plan no more."""
+        with self._lock:
+            self._cancelled[req_id] = None
+            self._cancelled.move_to_end(req_id)
+            while len(self._cancelled) > CANCELLED_TAGS:
+                self._cancelled.popitem(last=False)
+
+    def queued_blocks(self, req_id: str) -> int:
+        """Blocks in the request's jobs queued and not yet taken by ``take_jobs``."""
+        with self._lock:
+            return sum(len(e.job) for e in self._queued.values() if e.job.req_id == req_id)
+
+    def sent_jobs(self, req_id: str, direction: str | None = None) -> list[int]:
+        """Ids of the request's jobs sent to the workers and not yet resolved (e.g. for a fence)."""
+        with self._lock:
+            return [e.job.job_id for e in self._sent.values()
+                    if e.job.req_id == req_id and (direction is None or e.job.direction == direction)]  # fmt: skip
+
+    def abandon(self, why: str) -> int:
+        """Fail every queued and sent job at once (the workers are gone, e.g. at engine shutdown);
+        returns how many. Only for a cache that is closing: a worker still alive could write late."""
+        with self._lock:
+            gone = [*self._queued.values(), *self._sent.values()]
+            self._queued.clear()
+            self._sent.clear()
+        for e in gone:
+            _settle(e, f"job {e.job.job_id} ({e.job.direction} of {len(e.job)} blocks) abandoned: {why}")
+        return len(gone)
+
     def forget_request(self, req_id: str) -> None:
         """Drop a cancelled tag (its request is gone for good, e.g. at ``request_finished``)."""
         with self._lock:

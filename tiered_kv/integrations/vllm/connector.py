@@ -79,13 +79,15 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._worker.start(self._get_connector_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are asynchronous (load_async): the request runs only once every rank landed them
+        return  # a synchronous load was waited for at the end of start_load_kv; async ones gate the request
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # whole blocks are stored as jobs, a step after the forward pass that computed them
+        return  # whole blocks are stored as jobs, issued in wait_for_save
 
     def wait_for_save(self) -> None:
-        return  # stores never hold the step: vLLM keeps their blocks until they are reported (see request_finished)
+        # After the target and draft forwards: issue the step's stores (never waited for: vLLM keeps their
+        # blocks until they are reported, see request_finished).
+        self._worker.save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker.finished(finished_req_ids)
@@ -120,6 +122,17 @@ class TieredKVConnector(KVConnectorBase_V1):
 
     def take_events(self) -> list[Any]:
         return self._sched.take_events() if self._sched is not None else []
+
+    def has_pending_block_frees(self) -> bool:
+        return self._sched.has_pending_block_frees() if self._sched is not None else False
+
+    def has_pending_push_work(self) -> bool:
+        # Jobs resolve from the workers' reports, which travel only with a step: keep vLLM stepping
+        # while any is in flight, so an idle engine still lands its last stores (and a reset can run).
+        return self._sched.has_jobs_in_flight() if self._sched is not None else False
+
+    def reset_cache(self) -> bool | None:
+        return self._sched.reset() if self._sched is not None else None
 
     # == both ================================================================================
     def get_kv_connector_stats(self) -> TieredKVStats | None:

@@ -12,6 +12,10 @@ values and an unsalted one ``block_size``, so the two can never collide.
 Multimodal inputs are folded into the salt whole (identifier and placeholder
 position of each): a request with an image shares no block with one without,
 even before the image. That loses some hits and never serves wrong KV.
+
+A request that carries prompt embeddings (``enable_prompt_embeds``) is neither
+stored nor served: its embedded positions carry placeholder token ids, so two
+prompts that differ only in their embeddings would get the same keys.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ SALT_WORDS = 4  # 256 bits of sha256, as four int64 words
 
 def request_salt(
     *, lora_name: str | None = None, lora_id: int | None = None, cache_salt: str | None = None,
-    mm_items: Sequence[tuple[str, int, int]] = (),
+    mm_items: Sequence[tuple[str, int, int]] = (), lora_path: str | None = None,
 ) -> tuple[int, ...]:
     """Four int64 words from the request's extra keys; ``()`` when it has none.
 
@@ -39,6 +43,8 @@ def request_salt(
     extras: dict[str, Any] = {}
     if lora_name is not None or lora_id is not None:
         extras["lora"] = [lora_name, lora_id]
+        if lora_path:  # the same name and id may be loaded from another adapter after a restart
+            extras["lora_path"] = str(lora_path)
     if cache_salt:
         extras["cache_salt"] = cache_salt
     if mm_items:
@@ -59,9 +65,15 @@ def salt_of(request: Any) -> tuple[int, ...]:
     return request_salt(
         lora_name=getattr(lora, "lora_name", None) if lora is not None else None,
         lora_id=getattr(lora, "lora_int_id", None) if lora is not None else None,
+        lora_path=getattr(lora, "lora_path", None) if lora is not None else None,
         cache_salt=getattr(request, "cache_salt", None),
         mm_items=mm,
     )
+
+
+def uses_prompt_embeds(request: Any) -> bool:
+    """True when the request carries prompt embeddings (its KV is not named by its token ids alone)."""
+    return getattr(request, "prompt_embeds", None) is not None
 
 
 def request_block_keys(

@@ -14,12 +14,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 @dataclass
 class TieredKVMetadata(KVConnectorMetadata):
-    """Scheduler -> every worker, one per step."""
+    """Scheduler -> every worker, one per step (README, "Use with vLLM": the step protocol).
 
-    jobs: list[Any] = field(default_factory=list)  # split.jobs.ShardJob, in submission order
-    flush: bool = False  # a preempted request's blocks may be reused this step: land issued copies first
-    loads_done: dict[str, list[int]] = field(default_factory=dict)  # req -> its blocks the load did not land
+    ``load_jobs`` are issued in ``start_load_kv``; those in ``sync_loads`` feed this very step's forward
+    (vLLM then calls start_load_kv before it), so the worker waits for them there. ``store_jobs`` are
+    issued in ``wait_for_save``, after the target and draft forwards wrote the blocks they read.
+    """
+
+    load_jobs: list[Any] = field(default_factory=list)  # split.jobs.ShardJob, in submission order
+    store_jobs: list[Any] = field(default_factory=list)
+    sync_loads: list[int] = field(default_factory=list)  # job ids of load_jobs this step's forward reads
+    sync_load_errors: list[int] = field(default_factory=list)  # promised blocks no job loads: recompute them
+    fence: list[int] = field(default_factory=list)  # store job ids of preempted requests: land before the forward
+    loads_done: dict[str, list[int]] = field(default_factory=dict)  # async load over: req -> blocks not landed
     stores_done: list[str] = field(default_factory=list)  # finished requests whose stores resolved: free them
+    held: list[str] = field(default_factory=list)  # requests whose freeing waits for stores (request_finished)
 
 
 @dataclass

@@ -1,10 +1,18 @@
 """The connector's scheduler half: the cache's whole state, its residency answer, the per-step jobs.
 
-The TieredKVCache (manager, disk, remote) runs on a loop thread owned here; its
-CPU tier is the shared segment and its GPU<->CPU copies are queued by the proxy
-engine as jobs that ``build_meta`` hands to the workers. vLLM's thread never
-waits for a store or a load: it starts them on the loop and picks up their
-results at a later step. See README, "Use with vLLM", for the step-by-step flow.
+The TieredKVCache (manager, disk, remote) runs on a loop thread owned here; its CPU tier is the shared
+segment and its GPU<->CPU copies are queued by the proxy engine as jobs that ``build_meta`` hands to the
+workers. Each step keeps vLLM's protocol (README, "Use with vLLM", the step protocol):
+
+- a hit whose blocks are all in the CPU tier is served in the step it is found: ``matched_tokens``
+  answers it as a synchronous load, ``after_alloc`` pins the slots and queues the job before vLLM's
+  thread goes on (planning.start_sync_load), and the workers copy it before this step's forward;
+- any other hit (disk, Redis, blocks another request is still storing) is an asynchronous load: the
+  request waits (WAITING_FOR_REMOTE_KVS) until every rank landed it;
+- stores are planned for the blocks this step's forward computes and issued by the workers in
+  ``wait_for_save``, after the forward (target and draft) wrote them;
+- a preempted request's unsent stores are cancelled and the sent ones fenced before its blocks are
+  reused; its later stores carry a new tag.
 """
 
 from __future__ import annotations
@@ -15,19 +23,22 @@ import json
 import logging
 import threading
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ...errors import ConfigError
 from ...layout import KVLayout
+from ...split.jobs import STORE
 from ...split.proxy import request_scope
 from ...split.scheduler import open_scheduler_cache
 from .events import HashBook, to_vllm_events
 from .geometry import check_rank_bytes, scheduler_bytes_per_block
 from .hints import NO_HINTS, RequestHints, hints_of
-from .keys import request_block_keys, salt_of
+from .keys import request_block_keys, salt_of, uses_prompt_embeds
 from .meta import TieredKVHandshake, TieredKVMetadata
+from .planning import start_stores, start_sync_load
+from .requests import KeyCache, Req, new_tag
 from .runtime import (
     LoopThread,
     close_before_executors_exit,
@@ -40,35 +51,35 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Req:
-    prompt: list[int]
-    salt: tuple[int, ...]
-    keys: list[bytes]  # of every full prompt block
-    block_ids: list[int] = field(default_factory=list)
-    next_store: int = 0  # first block not yet stored or known resident
-    gen: int = 0  # bumped at each preemption: the tag of its jobs is f"{req_id}#{gen}"
-    stores: list[concurrent.futures.Future] = field(default_factory=list)  # of the current generation
-
-    def tag(self, rid: str) -> str:
-        return f"{rid}#{self.gen}"
+class _Load:
+    start: int  # first block of the request the load covers
+    block_ids: list[int]
+    future: concurrent.futures.Future
+    sync: bool  # served in the step it was planned: vLLM waits for no finished_recving
 
 
 @dataclass
-class _Load:
-    start: int
-    block_ids: list[int]
-    future: concurrent.futures.Future
+class _Asked:
+    start: int  # first block a hit answered this step would load
+    sync: bool
 
 
 class SchedulerHalf:
     def __init__(self, vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any], engine_id: str) -> None:
         self._bs: int = vllm_config.cache_config.block_size
-        self._world: int = int(vllm_config.parallel_config.tensor_parallel_size)
-        if int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1)) != 1:
+        pc = vllm_config.parallel_config
+        self._world: int = int(pc.tensor_parallel_size)
+        if int(getattr(pc, "pipeline_parallel_size", 1)) != 1:
             raise ConfigError("TieredKVConnector does not support pipeline parallel (pipeline_parallel_size > 1)")
+        for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+            if int(getattr(pc, name, 1) or 1) != 1:
+                raise ConfigError(f"TieredKVConnector does not support context parallelism ({name} = "
+                                  f"{getattr(pc, name)}): a rank then holds part of each block's tokens")  # fmt: skip
         self._rank_bytes = scheduler_bytes_per_block(kv_cache_config)
         self._num_blocks = int(kv_cache_config.num_blocks)
         self._vllm_config = vllm_config
+        events = getattr(vllm_config, "kv_events_config", None)
+        self._events_on = bool(events is not None and getattr(events, "enable_kv_cache_events", False))
         self._extra = extra
         self._engine_id = engine_id
         self._loop = LoopThread("tiered-kv-scheduler")
@@ -76,16 +87,22 @@ class SchedulerHalf:
         self.counters: Counter[str] = Counter()
         self._written: Counter[str] | None = None  # the counters stats_file last showed
         self._stats_lock = threading.Lock()
-        self._reqs: dict[str, _Req] = {}
+        self._reqs: dict[str, Req] = {}
         self._salts: dict[str, tuple[int, ...]] = {}
-        self._prompt_keys: dict[str, list[bytes]] = {}
+        self._no_store: set[str] = set()  # requests whose KV no key can name (prompt embeddings)
+        self._keys = KeyCache(self._compute_keys)
         self._hints: dict[str, RequestHints] = {}
-        self._asked: dict[str, int] = {}  # req -> first block a hit answered this step would load
+        self._asked: dict[str, _Asked] = {}
         self._loads: dict[str, _Load] = {}
+        self._sync_tags: set[str] = set()  # this step's synchronous loads: the workers wait for their jobs
+        self._sync_errors: list[int] = []  # this step's promised blocks no job loads: vLLM recomputes them
+        self._cap: dict[str, int] = {}  # req -> blocks a load of it landed before a failure (no retry loop)
         self._loaded_upto: dict[str, int] = {}  # blocks resident after a finished load (next_store starts there)
         self._held: dict[str, list[concurrent.futures.Future]] = {}  # finished, blocks kept until stores resolve
+        self._newly_held: list[str] = []
         self._vllm_hashes: dict[str, Any] = {}  # req -> request.block_hashes (vLLM's live list)
         self._book = HashBook(cap=1 << 20)  # our key -> vLLM hash, for the router's KV events
+        self._step = 0
         self._closed = False
         publish_runtime(engine_id, self)
         close_before_executors_exit(self.close)
@@ -113,65 +130,82 @@ class SchedulerHalf:
 
     # -- residency ------------------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
-        self._salts[request.request_id] = salt_of(request)
-        self._vllm_hashes[request.request_id] = getattr(request, "block_hashes", None)
+        rid = request.request_id
+        self._salts[rid] = salt_of(request)
+        self._vllm_hashes[rid] = getattr(request, "block_hashes", None)
+        if uses_prompt_embeds(request):  # its positions carry placeholder token ids: no key names its KV
+            self._no_store.add(rid)
+            self.counters["prompt_embeds_requests"] += 1
         hints = hints_of(request)
         if hints is not NO_HINTS:
-            self._hints[request.request_id] = hints
+            self._hints[rid] = hints
 
-    def _keys(self, rid: str, prompt: list[int]) -> list[bytes]:
-        """Keys of every full prompt block, computed once per request."""
-        keys = self._prompt_keys.get(rid)
-        if keys is None:
-            keys = self._prompt_keys[rid] = request_block_keys(self._ready().keyer, prompt, self._bs,
-                                                               self._salts.get(rid, ()))  # fmt: skip
-        return keys
+    def _compute_keys(self, rid: str, prompt: list[int]) -> list[bytes]:
+        return request_block_keys(self._ready().keyer, prompt, self._bs, self._salts.get(rid, ()))
 
     def matched_tokens(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
         rid = request.request_id
         if rid in self._loads:
             return None, False  # a load of this request is still in flight: ask again later
+        if rid in self._no_store:
+            return 0, False
         prompt = list(request.prompt_token_ids or [])
         max_blocks = (len(prompt) - 1) // self._bs  # vLLM computes at least the last prompt token
+        max_blocks = min(max_blocks, self._cap.get(rid, max_blocks))
         if max_blocks * self._bs <= num_computed:
             return 0, False
         side = self._ready()
-        keys = self._keys(rid, prompt)[:max_blocks]
+        keys = self._keys.get(rid, prompt)[:max_blocks]
         hints = self._hints.get(rid, NO_HINTS)
 
-        async def run() -> int:
-            # Blocks whose store is in flight count: the load waits for them (and comes up short if one fails).
-            hit = side.cache.lookup(keys).total
-            if hit:  # the promised blocks are the last to go
-                side.cache.touch(keys[:hit], session=hints.session, expect_followup=hints.expect_followup)
-            return hit
+        async def run() -> tuple[int, bool]:
+            # Blocks whose store is in flight count: an async load waits for them (and comes up short if one fails).
+            hit = side.cache.lookup(keys)
+            if hit.total:  # the promised blocks are the last to go
+                side.cache.touch(keys[: hit.total], session=hints.session, expect_followup=hints.expect_followup)
+            return hit.total, hit.cpu == hit.total
 
         try:
-            hit = self._loop.call(run())
+            hit, in_cpu = self._loop.call(run())
         except Exception as exc:
             log.warning("tiered_kv: lookup for %s failed, treating it as a miss: %r", rid, exc)
             return 0, False
         n = hit * self._bs - num_computed
         if n <= 0:
             return 0, False
-        self._asked[rid] = num_computed // self._bs
-        return n, True
+        self._asked[rid] = _Asked(num_computed // self._bs, in_cpu)
+        return n, not in_cpu  # a CPU hit loads in this step (synchronously); anything else asynchronously
 
     def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
         rid = request.request_id
-        if num_external <= 0 or rid not in self._asked:
+        asked = self._asked.pop(rid, None)
+        if num_external <= 0 or asked is None:
             return
-        start = self._asked.pop(rid)
+        start = asked.start
         end = start + num_external // self._bs
         ids = list(blocks.get_block_ids()[0])[start:end]
-        keys = self._keys(rid, list(request.prompt_token_ids or []))[start:end]
+        keys = self._keys.get(rid, list(request.prompt_token_ids or []))[start:end]
         side = self._ready()
-
-        async def load() -> int:
-            with request_scope(f"{rid}#load"):
-                return await side.cache.load(keys, ids)
-
-        self._loads[rid] = _Load(start, ids, self._loop.submit(load()))
+        tag = new_tag(f"{rid}:load")
+        if not asked.sync:
+            future = self._loop.submit(_start_async(tag, side.cache.load(keys, ids)))
+            self._loads[rid] = _Load(start, ids, future, sync=False)
+            return
+        # Served in this step: its job is queued before vLLM's thread builds the step's metadata.
+        try:
+            future, planned = self._loop.call(start_sync_load(side.proxy, tag, side.cache.load(keys, ids), len(ids)))
+        except Exception as exc:
+            log.warning("tiered_kv: a synchronous load for %s could not start: %r", rid, exc)
+            future, planned = None, 0
+        self._sync_errors += ids[planned:]
+        self.counters["sync_loads"] += 1
+        self.counters["load_error_blocks"] += len(ids) - planned
+        if planned < len(ids):
+            self._cap[rid] = start + planned
+        self._loaded_upto[rid] = start + planned
+        if future is not None:
+            self._sync_tags.add(tag)
+            self._loads[rid] = _Load(start, ids[:planned], future, sync=True)
 
     # -- each step ------------------------------------------------------------------------------
     def build_meta(self, so: Any) -> TieredKVMetadata:
@@ -179,20 +213,17 @@ class SchedulerHalf:
         side = self._side
         if side is None:
             return meta
+        self._step += 1
         for rid in so.preempted_req_ids or ():
             fenced = self._fence(rid)
             self.counters["preemptions"] += 1
-            self.counters["fenced_preemptions"] += fenced
-            meta.flush |= fenced
+            self.counters["fenced_preemptions"] += bool(fenced)
+            meta.fence += fenced
         self._finish_loads(meta)
+        stores: list[tuple[Req, Any]] = []
         for new in so.scheduled_new_reqs:
-            rid = new.req_id
-            prompt = list(new.prompt_token_ids or [])
-            salt = self._salts.get(rid, ())
-            req = _Req(prompt, salt, self._keys(rid, prompt), list(new.block_ids[0]))
-            req.next_store = self._loaded_upto.pop(rid, 0)
-            self._reqs[rid] = req
-            self._queue_store(rid, req, new.num_computed_tokens + so.num_scheduled_tokens.get(rid, 0))
+            req = self._admit(new)
+            stores.append((req, new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0)))
         cached = so.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", set()) or set()
         for i, rid in enumerate(cached.req_ids):
@@ -202,31 +233,56 @@ class SchedulerHalf:
             new_ids = cached.new_block_ids[i]
             if new_ids is not None:
                 req.block_ids = list(new_ids[0]) if rid in resumed else req.block_ids + list(new_ids[0])
-            self._queue_store(rid, req, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0))
+            stores.append((req, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0)))
+        self._queue_stores([(r, self._rid_of(r), done) for r, done in stores])
         for rid, futures in list(self._held.items()):
             if all(f.done() for f in futures):
                 del self._held[rid]
                 meta.stores_done.append(rid)
-        meta.jobs = side.proxy.take_jobs()
+        meta.held, self._newly_held = self._newly_held, []
+        for job in side.proxy.take_jobs():
+            (meta.store_jobs if job.direction == STORE else meta.load_jobs).append(job)
+            if job.req_id in self._sync_tags:
+                meta.sync_loads.append(job.job_id)
+        self.counters["sync_load_jobs_sent"] += len(meta.sync_loads)
+        meta.sync_load_errors, self._sync_errors = self._sync_errors, []
+        self._sync_tags.clear()
         self._asked.clear()
         self._maybe_write_stats()
         return meta
 
-    def _fence(self, rid: str) -> bool:
-        """A preempted request's blocks are free now: no store of them may reach a worker any more.
+    def _rid_of(self, req: Req) -> str:
+        return req.tag.rsplit("#", 1)[0]
 
-        Its unsent jobs (and any its pending stores submit later) fail at the proxy; True
-        when some of its stores may already be copying, so the workers must flush first.
-        """
+    def _admit(self, new: Any) -> Req:
+        """A request scheduled as new: first seen, or an id coming back (a streaming session's next chunk,
+        a preempted request resumed as new): its state and its stores in flight carry over."""
+        rid = new.req_id
+        prompt = list(new.prompt_token_ids or [])
+        keys = [] if rid in self._no_store else self._keys.get(rid, prompt)
         req = self._reqs.get(rid)
         if req is None:
-            return False
-        pending = any(not f.done() for f in req.stores)
-        if pending:
-            self._side.proxy.cancel_request(req.tag(rid))
-        req.gen += 1
-        req.stores = []
-        return pending
+            req = self._reqs[rid] = Req(prompt, keys, list(new.block_ids[0]), new_tag(rid))
+        else:
+            req.prompt, req.keys, req.block_ids = prompt, keys, list(new.block_ids[0])
+            self.counters["readmitted_requests"] += 1
+        req.next_store = max(req.next_store, self._loaded_upto.pop(rid, 0))
+        return req
+
+    def _fence(self, rid: str) -> list[int]:
+        """A preempted request's blocks are free now: no store of them may read them after this step's
+        forward. Its unsent jobs (and any its pending stores submit later) fail at the proxy; the ids of
+        its stores already sent are returned, for the workers to wait for before the forward."""
+        req = self._reqs.get(rid)
+        if req is None:
+            return []
+        sent: list[int] = []
+        if req.pending_stores():
+            self._side.proxy.cancel_request(req.tag)
+            sent = self._side.proxy.sent_jobs(req.tag, STORE)
+        req.tag = new_tag(rid)  # a fresh tag: the fenced one refuses every later job
+        req.next_store = 0  # what the fenced stores did not land is stored again (resident blocks dedupe)
+        return sent
 
     def _finish_loads(self, meta: TieredKVMetadata) -> None:
         for rid, load in list(self._loads.items()):
@@ -235,36 +291,52 @@ class SchedulerHalf:
             del self._loads[rid]
             try:
                 n = int(load.future.result())
-            except Exception as exc:  # vLLM recomputes what we did not land
+            except BaseException as exc:  # vLLM recomputes what we did not land
                 log.warning("tiered_kv: load of %d blocks for %s failed: %r", len(load.block_ids), rid, exc)
                 n = 0
             self.counters["loaded_blocks"] += n
+            if n < len(load.block_ids):
+                self._cap[rid] = load.start + n  # a retry recomputes instead of being promised them again
+            if load.sync:
+                continue  # the workers reported their own copy failures in the step it ran
             self.counters["load_error_blocks"] += len(load.block_ids) - n
             meta.loads_done[rid] = load.block_ids[n:]
             self._loaded_upto[rid] = load.start + n
 
-    def _queue_store(self, rid: str, req: _Req, done_tokens: int) -> None:
-        end = min(done_tokens, len(req.prompt), len(req.block_ids) * self._bs) // self._bs
-        if end <= req.next_store:
+    def _queue_stores(self, todo: list[tuple[Req, str, int]]) -> None:
+        """Plan stores of the prompt blocks each request's forward computes in this step; their jobs
+        ride in this step's metadata and the workers issue them in wait_for_save, after the forward."""
+        side = self._side
+        batch = []
+        for req, rid, done_tokens in todo:
+            if rid in self._no_store:
+                continue
+            end = min(done_tokens, len(req.prompt), len(req.block_ids) * self._bs) // self._bs
+            end = min(end, len(req.keys))
+            if end <= req.next_store:
+                continue
+            start, req.next_store = req.next_store, end
+            keys, prefix, ids = req.keys[start:end], req.keys[:start], req.block_ids[start:end]
+            hints = self._hints.get(rid, NO_HINTS)
+            hashes = self._vllm_hashes.get(rid)
+            if hashes is not None and len(hashes) >= end:
+                self._book.remember(keys, hashes[start:end])
+            batch.append((req, req.tag, self._store(side.cache, keys, ids, prefix, hints)))
+        if not batch:
             return
-        start, req.next_store = req.next_store, end
-        keys, prefix, ids = req.keys[start:end], req.keys[:start], req.block_ids[start:end]
-        cache, tag = self._side.cache, req.tag(rid)
-        hints = self._hints.get(rid, NO_HINTS)
-        hashes = self._vllm_hashes.get(rid)
-        if hashes is not None and len(hashes) >= end:
-            self._book.remember(keys, hashes[start:end])
+        try:
+            futures = self._loop.call(start_stores(side.proxy, [(tag, coro) for _, tag, coro in batch]))
+        except Exception as exc:  # a lost store is a future miss, never an engine failure
+            log.warning("tiered_kv: stores could not start: %r", exc)
+            return
+        for (req, _, _), future in zip(batch, futures, strict=True):
+            future.add_done_callback(_log_store_failure)
+            req.pending_stores().append(future)
 
-        async def store() -> None:
-            with request_scope(tag):
-                res = await cache.store(keys, ids, prefix=prefix, session=hints.session,
-                                        expect_followup=hints.expect_followup)  # fmt: skip
-            self.counters["stored_blocks"] += getattr(res, "stored", 0)
-
-        future = self._loop.submit(store())
-        future.add_done_callback(_log_store_failure)
-        req.stores = [f for f in req.stores if not f.done()]
-        req.stores.append(future)
+    async def _store(self, cache: Any, keys: list[bytes], ids: list[int], prefix: list[bytes],
+                     hints: RequestHints) -> None:  # fmt: skip
+        res = await cache.store(keys, ids, prefix=prefix, session=hints.session, expect_followup=hints.expect_followup)
+        self.counters["stored_blocks"] += getattr(res, "stored", 0)
 
     def update_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
@@ -273,24 +345,31 @@ class SchedulerHalf:
         for rank, (ok, failed) in getattr(meta, "reports", {}).items():
             self._side.proxy.report(rank, ok, failed)
 
+    def has_pending_block_frees(self) -> bool:
+        """Finished requests whose blocks wait for their stores: vLLM waits for them instead of preempting."""
+        return bool(self._held)
+
+    def has_jobs_in_flight(self) -> bool:
+        return self._side is not None and self._side.proxy.inflight > 0
+
     def request_finished(self, request: Any) -> bool:
         """True: vLLM keeps the request's blocks until a later step reports its stores resolved."""
         rid = request.request_id
-        self._salts.pop(rid, None)
-        self._vllm_hashes.pop(rid, None)
-        self._prompt_keys.pop(rid, None)
-        self._asked.pop(rid, None)
-        self._loaded_upto.pop(rid, None)
+        for table in (self._salts, self._vllm_hashes, self._asked, self._loaded_upto, self._cap):
+            table.pop(rid, None)
+        self._keys.pop(rid)
+        self._no_store.discard(rid)
         req = self._reqs.pop(rid, None)
+        stores = req.pending_stores() if req is not None else []
         hints = self._hints.pop(rid, NO_HINTS)
         if hints.end_session and self._side is not None:
-            self._release_session(hints.session, req.stores if req else [])
+            self._release_session(hints.session, list(stores))
         if rid in self._loads:
             return False  # vLLM holds the blocks of a request waiting for its load (finished_recving frees them)
-        pending = [f for f in (req.stores if req else ()) if not f.done()]
-        if not pending:
+        if not stores:
             return False
-        self._held[rid] = pending
+        self._held[rid] = list(stores)
+        self._newly_held.append(rid)
         return True
 
     def _release_session(self, session: str | int, stores: list[concurrent.futures.Future]) -> None:
@@ -307,10 +386,25 @@ class SchedulerHalf:
 
         self._loop.submit(release())
 
+    def reset(self) -> bool:
+        """vLLM's reset_prefix_cache(reset_connector=True), e.g. after a weight update: every tier forgets
+        every block (disk records invalidated for good, the Redis namespace emptied). False, changing
+        nothing, while a load or store is in flight (vLLM reports the reset as failed; try again)."""
+        if self._side is None:
+            return True
+        busy = bool(self._loads) or bool(self._held) or any(r.pending_stores() for r in self._reqs.values())
+        if busy or self._side.proxy.inflight:
+            return False
+        ok = bool(self._loop.call(self._side.cache.reset()))
+        if ok:
+            self.counters["resets"] += 1
+            self._maybe_write_stats()
+        return ok
+
     def take_events(self) -> list[Any]:
         """The tiers' stored/removed blocks since the last call, as vLLM KV events in vLLM's block hashes."""
-        if self._side is None:
-            return []
+        if self._side is None or not self._events_on:
+            return []  # vLLM asks every step; with KV events off there is nothing to wait on the loop for
         cache = self._side.cache
 
         async def run() -> list[tuple[str, str, list[bytes]]]:
@@ -355,6 +449,8 @@ class SchedulerHalf:
         self._maybe_write_stats(force=True)
         try:
             if self._side is not None:
+                # vLLM stops its workers before the scheduler: no rank will report the jobs in flight.
+                self._side.proxy.abandon("the engine is shutting down")
                 self._loop.call(self._side.aclose())
         except Exception:  # closing must never take the engine down with it
             log.exception("tiered_kv: closing the scheduler cache failed")
@@ -367,3 +463,8 @@ def _log_store_failure(future: concurrent.futures.Future) -> None:
     if future.cancelled() or future.exception() is None:
         return
     log.debug("tiered_kv: a store was dropped: %r", future.exception())
+
+
+async def _start_async(tag: str, load: Any) -> Any:
+    with request_scope(tag):  # the cache's tasks inherit the tag (a contextvar): the proxy's jobs carry it
+        return await load

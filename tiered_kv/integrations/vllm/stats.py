@@ -35,8 +35,11 @@ class StatsDelta:
         self._last: Counter[str] = Counter()
 
     def take(self, counters: Counter[str]) -> TieredKVStats | None:
-        delta = {k: v - self._last.get(k, 0) for k, v in counters.items() if v != self._last.get(k, 0)}
-        self._last = Counter(counters)
+        # The loop thread adds keys while vLLM's thread asks: dict.copy is one C call under the GIL, where
+        # iterating the live Counter could raise "dictionary changed size during iteration".
+        now = dict.copy(counters)
+        delta = {k: v - self._last.get(k, 0) for k, v in now.items() if v != self._last.get(k, 0)}
+        self._last = Counter(now)
         return TieredKVStats(data=delta) if delta else None
 
 

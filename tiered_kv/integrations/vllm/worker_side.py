@@ -1,11 +1,21 @@
-"""The connector's worker half: copy this rank's shard of each job, report, never wait for a store.
+"""The connector's worker half: copy this rank's shard of each job, in the step vLLM's protocol puts it.
 
-Each rank opens the shared CPU segment at start (computed from its own numbers:
-whoever opens second checks the first one's), issues the step's jobs on its copier at ``start_load_kv`` and returns at once;
-the jobs the copier finished go back in the next ``build_connector_worker_meta``.
-The scheduler tells every rank when a request's load or stores are over, and
-each rank reports it (``finished_recving`` / ``finished_sending``), which vLLM
-counts to world_size.
+Each rank opens the shared CPU segment at start (computed from its own numbers: whoever opens second
+checks the first one's). Per step (README, "Use with vLLM"):
+
+- ``handle_preemptions``: wait for the stores of requests preempted this step that are still copying
+  (their GPU blocks are reused by this step's forward); one that outlives the fence is reported failed,
+  so its store is discarded, never committed.
+- ``start_load_kv``: issue the step's loads; a synchronous load (a CPU hit served in the step it was
+  found) is waited for here, before the forward reads it (vLLM calls start_load_kv before the forward
+  whenever a step has one). A rank whose copy failed reports the blocks in get_block_ids_with_load_errors
+  in the same step, and vLLM recomputes them.
+- ``wait_for_save``: issue the step's stores, after the target and draft forwards wrote their blocks (on
+  CUDA the ordering event is recorded here, on the forward's stream).
+- ``build_connector_worker_meta``: the job ids this rank finished since the last step.
+
+The scheduler tells every rank when a request's async load or its stores are over, and each rank
+reports it (``finished_recving`` / ``finished_sending``), which vLLM counts to world_size.
 """
 
 from __future__ import annotations
@@ -13,6 +23,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from ...errors import TransferError
 from ...split.scheduler import segment_info_for
 from ...split.worker import ShardCopier
 from .geometry import worker_layout
@@ -24,7 +35,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FLUSH_TIMEOUT_S = 60.0  # a preemption fence that takes longer is a fault: the copier reports those jobs failed
+FENCE_TIMEOUT_S = 30.0  # a preempted request's store still copying after this is reported failed (discarded)
+LOAD_WAIT_S = 30.0  # a synchronous load is waited for to the end (its copy writes the forward's blocks); logged
 
 
 class WorkerHalf:
@@ -39,8 +51,13 @@ class WorkerHalf:
         self._meta: TieredKVMetadata | None = None
         self._ok: list[int] = []
         self._failed: list[int] = []
-        self._finished_seen: set[str] = set()  # finished_req_ids vLLM passed to get_finished so far
-        self._to_release: set[str] = set()  # finished requests the scheduler said are free to go
+        self._tainted: set[int] = set()  # jobs that outlived a fence: reported failed whenever they finish
+        self._errors: set[int] = set()  # this step's blocks whose synchronous load did not land
+        # Requests whose freeing waits for their stores (request_finished said True): only these are
+        # remembered from vLLM's finished_req_ids, so the sets stay as small as what is in flight.
+        self._held: set[str] = set()
+        self._finished_seen: set[str] = set()  # held requests vLLM has told us finished
+        self._to_release: set[str] = set()  # held requests the scheduler said are free to go
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         kcc = self._kv_cache_config
@@ -63,32 +80,64 @@ class WorkerHalf:
         return self._handshake
 
     def handle_preemptions(self, meta: Any) -> None:
-        if self._copier is None or not isinstance(meta, TieredKVMetadata) or not meta.flush:
+        if self._copier is None or not isinstance(meta, TieredKVMetadata) or not meta.fence:
             return
-        ok, failed = self._copier.drain(FLUSH_TIMEOUT_S)  # freed blocks are reused by this very step
-        self._ok += ok
-        self._failed += failed
+        try:  # the preempted requests' blocks are reused by this very step: no store may read them after
+            self._copier.wait(meta.fence, FENCE_TIMEOUT_S)
+        except TransferError as exc:
+            log.error("tiered_kv rank %d: %s; those stores will be discarded", self._rank, exc)
+            self._tainted.update(meta.fence)
 
     def start(self, meta: Any) -> None:
+        """start_load_kv: issue the step's loads; wait for the synchronous ones."""
         self._meta = meta if isinstance(meta, TieredKVMetadata) else None
+        self._errors = set()
         if self._copier is None or self._meta is None:
             return
-        if meta.jobs:
-            self._copier.submit(meta.jobs)
+        self._errors.update(meta.sync_load_errors)
+        self._held.update(meta.held)
         self._to_release.update(meta.stores_done)
+        if meta.load_jobs:
+            self._copier.submit(meta.load_jobs)
+        if meta.sync_loads:
+            self._wait_loads(meta)
+
+    def _wait_loads(self, meta: TieredKVMetadata) -> None:
+        ids = set(meta.sync_loads)
+        while True:  # the copies write blocks this step's forward reads: never return before they landed
+            try:
+                self._copier.wait(ids, LOAD_WAIT_S)
+                break
+            except TransferError as exc:
+                log.warning("tiered_kv rank %d: a synchronous load is slow: %s", self._rank, exc)
+        ok, failed = self._copier.poll()
+        self._ok += ok
+        self._failed += failed
+        bad = set(failed) & ids
+        if bad:
+            for job in meta.load_jobs:
+                if job.job_id in bad:
+                    self._errors.update(int(b) for b in job.gpu_ids)
+
+    def save(self) -> None:
+        """wait_for_save: the step's forwards have written their blocks; issue the stores that read them."""
+        meta = self._meta
+        if self._copier is not None and meta is not None and meta.store_jobs:
+            self._copier.submit(meta.store_jobs)
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        self._finished_seen |= finished_req_ids
+        self._finished_seen |= finished_req_ids & self._held
         sending = self._to_release & self._finished_seen  # vLLM only frees what it told us had finished
         self._to_release -= sending
         self._finished_seen -= sending
+        self._held -= sending
         recving = set(self._meta.loads_done) if self._meta is not None else set()
         return sending, recving
 
     def load_errors(self) -> set[int]:
-        if self._meta is None:
-            return set()
-        errors = {b for ids in self._meta.loads_done.values() for b in ids}
+        errors = set(self._errors)
+        if self._meta is not None:
+            errors.update(b for ids in self._meta.loads_done.values() for b in ids)
         return errors
 
     def worker_meta(self) -> TieredKVWorkerMeta | None:
@@ -99,7 +148,15 @@ class WorkerHalf:
         self._meta = None
         if not self._ok and not self._failed:
             return None
-        report = TieredKVWorkerMeta({self._rank: (self._ok, self._failed)})
+        ok, failed = self._ok, self._failed
+        if self._tainted:
+            late = [j for j in ok if j in self._tainted]
+            if late:
+                ok = [j for j in ok if j not in self._tainted]
+                failed = failed + late
+            self._tainted.difference_update(late)
+            self._tainted.difference_update(failed)
+        report = TieredKVWorkerMeta({self._rank: (ok, failed)})
         self._ok, self._failed = [], []
         return report
 
