@@ -105,3 +105,22 @@ def baseline(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[t
     report = run_engine({"model": model_dir, "steps": steps}, tmp_path_factory.mktemp("baseline"))
     outs = [o[0]["tokens"] for o in outputs(report)]
     return {tuple(p): o for p, o in zip(ALL_PROMPTS, outs, strict=True)}
+
+
+@pytest.fixture(scope="session")
+def wide_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Llama whose greedy tokens depend on every position's KV (weights drawn N(0, 0.2)): wrong
+    or stale KV served to it changes its output, where the default init gives near-constant tokens."""
+    if not HAVE_VLLM:
+        pytest.skip(SKIP_REASON)
+    sys.path.insert(0, str(HERE))
+    from tiny_model import make_tiny_llama
+
+    return str(make_tiny_llama(tmp_path_factory.mktemp("wide") / "tiny-llama-wide", init_std=0.2))
+
+
+def same_output(out: dict, want: dict, tol: float = 0.05) -> bool:
+    """Greedy tokens equal and each position's logprob within ``tol`` (bf16 kernels on other batch shapes)."""
+    if out["tokens"] != want["tokens"]:
+        return False
+    return all(abs(a - b) <= tol for a, b in zip(out.get("logprobs", []), want.get("logprobs", []), strict=True))

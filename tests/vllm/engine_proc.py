@@ -35,6 +35,8 @@ def engine_args(spec: dict) -> dict:
     args = dict(model=spec["model"], enforce_eager=True, block_size=32, max_model_len=1024,
                 skip_tokenizer_init=True, dtype="bfloat16", seed=0, disable_log_stats=not spec.get("log_stats"),
                 tensor_parallel_size=spec.get("tp", 1))  # fmt: skip
+    if spec.get("prompt_embeds"):
+        args["enable_prompt_embeds"] = True
     for key, arg in (("max_num_seqs", "max_num_seqs"), ("num_gpu_blocks", "num_gpu_blocks_override"),
                      ("max_num_batched_tokens", "max_num_batched_tokens"), ("max_model_len", "max_model_len")):
         if spec.get(key):
@@ -89,12 +91,25 @@ def run_sync(spec: dict) -> list:
             if step.get("hints"):  # kv_transfer_params {"tiered_kv": {...}} for every request of the step
                 params = sp.clone()
                 params.extra_args = {"kv_transfer_params": {"tiered_kv": step["hints"]}}
-            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in step["generate"]], params, use_tqdm=False)
+            if "embeds" in step:  # [[seed, n], ...]: prompts given as n random embeddings each
+                prompts = [embeds_prompt(spec["model"], seed, n) for seed, n in step["embeds"]]
+            else:
+                prompts = [TokensPrompt(prompt_token_ids=p) for p in step["generate"]]
+            outs = llm.generate(prompts, params, use_tqdm=False)
             report.append({"outputs": [result(o) for o in outs], "wall_s": time.monotonic() - t})
     settle(spec)
     if not spec.get("hold"):
         llm.llm_engine.engine_core.shutdown()
     return report
+
+
+def embeds_prompt(model: str, seed: int, n: int):
+    import torch
+    from vllm.inputs import EmbedsPrompt
+
+    hidden = json.load(open(os.path.join(model, "config.json")))["hidden_size"]
+    g = torch.Generator().manual_seed(seed)
+    return EmbedsPrompt(prompt_embeds=torch.randn(n, hidden, generator=g).to(torch.bfloat16))
 
 
 async def run_async(spec: dict) -> list:

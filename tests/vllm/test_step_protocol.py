@@ -41,6 +41,7 @@ def test_a_cpu_hit_is_loaded_in_the_step_it_is_found_before_that_steps_forward(h
     b = request("b", B)
     n, is_async = h.admit(b, [10, 11, 12, 13])
     assert (n, is_async) == (3 * BS, False)  # synchronous: vLLM schedules b's forward in this very step
+    assert h.sched.hit_sources("b", n) == {"cpu": n}  # vLLM's hit metrics: all from the host tier
     meta = h.step(new=[(b, [10, 11, 12, 13], n, len(B) - n)])
     assert len(meta.sync_loads) == 1 and meta.load_jobs[0].job_id == meta.sync_loads[0]
     assert h.holds(B, [10, 11, 12], 3, kv=h.after_start)  # landed when start_load_kv returned

@@ -123,6 +123,24 @@ class TieredKVConnector(KVConnectorBase_V1):
     def take_events(self) -> list[Any]:
         return self._sched.take_events() if self._sched is not None else []
 
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        tiers = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+        split = self._sched.hit_sources(request.request_id, num_external_tokens) if self._sched is not None else {}
+        out: dict[Any, int] = {}
+        for tier, n in split.items():  # Redis and blocks still being stored have no vLLM tier of their own
+            source = tiers.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            out[source] = out.get(source, 0) + n
+        return out
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:  # fmt: skip
+        from .prom import TieredKVPromMetrics
+
+        return TieredKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def has_pending_block_frees(self) -> bool:
         return self._sched.has_pending_block_frees() if self._sched is not None else False
 

@@ -93,6 +93,7 @@ class SchedulerHalf:
         self._keys = KeyCache(self._compute_keys)
         self._hints: dict[str, RequestHints] = {}
         self._asked: dict[str, _Asked] = {}
+        self._sources: dict[str, Counter[str]] = {}  # req -> the promised blocks per tier (vLLM's hit metrics)
         self._loads: dict[str, _Load] = {}
         self._sync_tags: set[str] = set()  # this step's synchronous loads: the workers wait for their jobs
         self._sync_errors: list[int] = []  # this step's promised blocks no job loads: vLLM recomputes them
@@ -158,22 +159,27 @@ class SchedulerHalf:
         keys = self._keys.get(rid, prompt)[:max_blocks]
         hints = self._hints.get(rid, NO_HINTS)
 
-        async def run() -> tuple[int, bool]:
+        first = num_computed // self._bs
+
+        async def run() -> tuple[int, bool, Counter[str]]:
             # Blocks whose store is in flight count: an async load waits for them (and comes up short if one fails).
             hit = side.cache.lookup(keys)
             if hit.total:  # the promised blocks are the last to go
                 side.cache.touch(keys[: hit.total], session=hints.session, expect_followup=hints.expect_followup)
-            return hit.total, hit.cpu == hit.total
+            in_cpu = hit.cpu == hit.total
+            where = Counter({"cpu": hit.total - first}) if in_cpu else Counter(side.cache.tiers_of(keys[first : hit.total]))
+            return hit.total, in_cpu, where
 
         try:
-            hit, in_cpu = self._loop.call(run())
+            hit, in_cpu, where = self._loop.call(run())
         except Exception as exc:
             log.warning("tiered_kv: lookup for %s failed, treating it as a miss: %r", rid, exc)
             return 0, False
         n = hit * self._bs - num_computed
         if n <= 0:
             return 0, False
-        self._asked[rid] = _Asked(num_computed // self._bs, in_cpu)
+        self._asked[rid] = _Asked(first, in_cpu)
+        self._sources[rid] = where
         return n, not in_cpu  # a CPU hit loads in this step (synchronously); anything else asynchronously
 
     def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
@@ -349,13 +355,25 @@ class SchedulerHalf:
         """Finished requests whose blocks wait for their stores: vLLM waits for them instead of preempting."""
         return bool(self._held)
 
+    def hit_sources(self, rid: str, num_external: int) -> dict[str, int]:
+        """The promised tokens per tier ("cpu", "disk", "remote", "" for blocks still being stored)."""
+        where = self._sources.pop(rid, None)
+        if not where or num_external <= 0:
+            return {}
+        out = {tier: n * self._bs for tier, n in where.items() if n > 0}
+        extra = num_external - sum(out.values())  # vLLM wants them to sum to what it admitted
+        if extra:
+            top = max(out, key=out.get) if out else ""
+            out[top] = out.get(top, 0) + extra
+        return {k: v for k, v in out.items() if v > 0}
+
     def has_jobs_in_flight(self) -> bool:
         return self._side is not None and self._side.proxy.inflight > 0
 
     def request_finished(self, request: Any) -> bool:
         """True: vLLM keeps the request's blocks until a later step reports its stores resolved."""
         rid = request.request_id
-        for table in (self._salts, self._vllm_hashes, self._asked, self._loaded_upto, self._cap):
+        for table in (self._salts, self._vllm_hashes, self._asked, self._loaded_upto, self._cap, self._sources):
             table.pop(rid, None)
         self._keys.pop(rid)
         self._no_store.discard(rid)
