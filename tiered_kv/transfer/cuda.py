@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from tiered_kv.errors import ConfigError, LayoutError, TransferError
-from tiered_kv.transfer.base import Compute, CopyEngine, CopyHandle, Direction
+from tiered_kv.transfer.base import Compute, CopyEngine, CopyHandle, Direction, is_event
 from tiered_kv.transfer.bridge import EventBridge
 from tiered_kv.transfer.staged import Staging, enqueue_load, enqueue_store, gpu_groups, host_slabs
 
@@ -148,7 +148,7 @@ class CUDAStreamEngine(CopyEngine):
 
     def _ready_event(self, compute: Compute) -> torch.cuda.Event:
         """The event the copy stream waits on: the caller's, or one recorded now on its stream."""
-        if isinstance(compute, torch.cuda.Event):
+        if is_event(compute):  # torch.cuda.Event or the generic torch.Event: Stream.wait_event takes either
             return compute
         stream = torch.cuda.current_stream(self._device) if compute is None else compute
         if stream.device != self._device:
