@@ -1,14 +1,18 @@
-"""ShardCopier: a TP rank's copies between its GPU KV tensors and its shard of the shared CPU segment.
+"""ShardCopier: a TP rank's copies between its GPU KV tensors and its sub-slab of the shared CPU segment.
 
-The worker holds no bookkeeping: it maps the scheduler's segment, checks that its own per-rank bytes
-per block is the scheduler's (LayoutError naming both otherwise), issues the jobs it is sent without
+The worker holds no bookkeeping: it maps the engine's segment, checks that its own per-rank bytes
+per block is the segment's (LayoutError naming both otherwise), issues the jobs it is sent without
 waiting for them, and hands back which finished at its next ``poll``.
 
-The copies run on a copy engine over (this rank's registered KV views, this rank's shard of each slot),
-driven by an event loop on a thread the copier owns, so ``submit`` and ``poll`` never block the model's
-thread. Host copies are numpy row copies (transfer/numpy_rows.py: no torch intra-op pool in a foreign
-thread). CUDA copies use CUDAStreamEngine with ``compute=`` an event recorded in the caller's thread, on
-the stream the model ran on.
+The segment is rank-major (tiers/segment_geometry.py): this rank's shard of every slot is one contiguous,
+page-aligned sub-slab, so the copies are exactly the TP=1 ones, at every TP size, and a CUDA rank
+page-locks only its own sub-slab (in ``tiers.cpu.pin_chunk`` chunks). The copies run on a copy engine
+over (this rank's registered KV views, its sub-slab), driven by an event loop on a thread the copier
+owns, so ``submit`` and ``poll`` never block the model's thread. Host copies are numpy row copies
+(transfer/numpy_rows.py: no torch intra-op pool in a foreign thread). CUDA copies use CUDAStreamEngine
+with ``compute=`` an event recorded in the caller's thread, on its current stream, when ``submit`` is
+called: a store submitted after the forward (vLLM's wait_for_save) reads what the forward wrote, a load
+submitted before it (start_load_kv) lands before attention reads it (``wait`` for a synchronous one).
 """
 
 from __future__ import annotations
@@ -120,7 +124,7 @@ class ShardCopier:
             raise TransferError(f"rank {self.rank}: submit before attach() or after close()")
         # CUDA: the event is recorded here, in the caller's (model runner's) thread on its current stream;
         # the copy stream waits for it, so a store reads what the forward pass wrote.
-        ready = _compute_event() if self.kind == "cuda" else None
+        ready = _compute_event(self.layout.device) if self.kind == "cuda" else None
         with self._lock:
             self._pending += len(jobs)
             self._running.update(j.job_id for j in jobs)
@@ -204,10 +208,11 @@ class ShardCopier:
             pinned.release()
 
 
-def _compute_event() -> Any:
+def _compute_event(device: Any) -> Any:
+    """An event recorded now on the calling thread's current stream of the KV tensors' device."""
     import torch
 
-    return compute_event(torch.cuda.current_stream())
+    return compute_event(torch.cuda.current_stream(device))
 
 
 def _pin(seg: SharedSegment, rank: int, device: Any, chunk: int) -> tuple[HostRegistration, int | None]:
