@@ -54,7 +54,8 @@ def check_compute(compute: Compute) -> None:
             raise TransferError(f"compute: a torch.Event on {device} cannot order a CUDA copy")
         return
     raise TransferError(
-        f"compute must be None, a torch.cuda.Event, a torch.Event or a torch.cuda.Stream, got {type(compute).__name__}"
+        f"compute must be None, a torch.cuda.Event or a torch.cuda.Stream, got {type(compute).__name__} (the "
+        f"generic torch.Event is accepted too)"
     )
 
 
