@@ -30,9 +30,9 @@ async def play_workers(side, fill=None):
             (job,) = jobs
             out = None
             if fill is not None:
-                side.cache.slabs.slab_np[job.cpu_slots] = fill
+                side.cache.slabs.write_blocks(job.cpu_slots, fill)  # each rank's piece into its sub-slab
             else:
-                out = side.cache.slabs.slab_np[job.cpu_slots].copy()
+                out = side.cache.slabs.read_blocks(job.cpu_slots)
             for rank in range(WORLD):
                 side.proxy.report(rank, [job.job_id])
             return out

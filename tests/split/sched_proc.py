@@ -1,5 +1,6 @@
 """A scheduler process for the restart test: stores rows (playing its ranks), lets them reach the disk,
-says so, then waits to be SIGKILLed. usage: sched_proc.py TMP_PATH"""
+says so, then waits to be SIGKILLed. usage: sched_proc.py TMP_PATH [unlink]: with ``unlink`` it removes the
+segment's name first, as the connector does once every rank has mapped it."""
 
 import asyncio
 import sys
@@ -19,6 +20,8 @@ async def main(tmp_path: str) -> None:
     assert (await store).stored == 6
     while side.cache.stats()["disk"]["resident"] < 6:  # write-through: committed to the disk journal
         await asyncio.sleep(0.01)
+    if sys.argv[2:] == ["unlink"]:
+        side.segment_mapped_by_all()
     print(side.segment_info.path, flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
 

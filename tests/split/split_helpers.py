@@ -53,9 +53,9 @@ async def play_ranks(side, rows=None, timeout: float = 10.0):
     (job,) = await next_jobs(side, timeout)
     out = None
     if rows is not None:
-        side.cache.slabs.slab_np[job.cpu_slots] = rows
+        side.cache.slabs.write_blocks(job.cpu_slots, rows)
     else:
-        out = side.cache.slabs.slab_np[job.cpu_slots].copy()
+        out = side.cache.slabs.read_blocks(job.cpu_slots)
     for rank in range(side.proxy.world_size):
         side.proxy.report(rank, [job.job_id])
     return out

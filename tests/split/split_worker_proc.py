@@ -23,8 +23,8 @@ def run(conn, cfg: dict, rank: int, world: int, engine_id: str) -> None:
     import torch
 
     import tiered_kv as tkv
-    from tiered_kv.split.scheduler import segment_info_for
     from tiered_kv.split.worker import ShardCopier
+    from tiered_kv.tiers.segment_geometry import segment_info_for
 
     kv = {"k": torch.zeros(NUM_BLOCKS, REGIONS[0], dtype=torch.uint8),
           "v": torch.zeros(NUM_BLOCKS, REGIONS[1], dtype=torch.uint8)}  # fmt: skip

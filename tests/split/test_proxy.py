@@ -195,6 +195,6 @@ async def test_the_keys_name_the_whole_tp_group(tmp_path):
     one = await scheduler(tmp_path, world=1, engine_id="one")
     assert two.keyer.namespace.shard == "tp-group-of2" and one.keyer.namespace.shard == "tp-group-of1"
     assert keys_of(two, 1) != keys_of(one, 1)
-    assert np.array_equal(two.cache.slabs.slab_np.shape, (two.segment_info.num_slots, 2 * SHARD))
+    assert np.array_equal(two.cache.slabs.slab_np.shape, (two.segment_info.num_slots, 2, SHARD))
     await two.aclose()
     await one.aclose()

@@ -25,10 +25,10 @@ ENGINE = "e2e"
 
 
 class Worker:
-    def __init__(self, ctx, cfg, rank: int) -> None:
+    def __init__(self, ctx, cfg, rank: int, world: int) -> None:
         self.rank = rank
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=run, args=(child, cfg, rank, WORLD, ENGINE), daemon=True)
+        self.proc = ctx.Process(target=run, args=(child, cfg, rank, world, ENGINE), daemon=True)
         self.proc.start()
         self.replies: queue.Queue = queue.Queue()
         self.proxy = None
@@ -86,11 +86,12 @@ async def check(workers, expect: dict) -> None:
         assert reply[0] == "checked" and reply[1] == [], f"rank {w.rank}: wrong bytes in GPU blocks {reply[1]}"
 
 
-@pytest.fixture
-def workers(tmp_path):
-    cfg = config(tmp_path, cpu_blocks=4, disk_blocks=64)
+@pytest.fixture(params=[WORLD, 4], ids=lambda w: f"tp{w}")
+def workers(tmp_path, request):
+    world = request.param
+    cfg = config(tmp_path, cpu_blocks=4, disk_blocks=64, world=world)
     ctx = mp.get_context("spawn")
-    ws = [Worker(ctx, cfg, r) for r in range(WORLD)]
+    ws = [Worker(ctx, cfg, r, world) for r in range(world)]
     yield cfg, ws
     for w in ws:
         try:
@@ -103,13 +104,17 @@ def workers(tmp_path):
             w.proc.kill()
 
 
-async def test_two_ranks_round_trip_through_cpu_and_disk(workers, tmp_path):
+async def test_every_rank_round_trips_through_cpu_and_disk(workers, tmp_path):
+    """TP=2 and TP=4 with the host engine: real worker processes, each copying only its own sub-slab."""
     cfg, ws = workers
+    world = len(ws)
     loop = asyncio.get_running_loop()
     infos = [await loop.run_in_executor(None, w.reply) for w in ws]  # the workers open the segment first
-    assert [i[0] for i in infos] == ["ready", "ready"] and infos[0][1] == infos[1][1]
-    side = await open_scheduler_cache(cfg, shard_layout(), world_size=WORLD, engine_id=ENGINE, report_timeout_s=60.0)
+    assert [i[0] for i in infos] == ["ready"] * world and all(i[1] == infos[0][1] for i in infos)
+    side = await open_scheduler_cache(cfg, shard_layout(), world_size=world, engine_id=ENGINE, report_timeout_s=60.0)
     assert side.segment_info == infos[0][1]  # scheduler and ranks computed the same segment independently
+    side.segment_mapped_by_all()  # as the connector does once the workers' handshake arrived
+    assert not (tmp_path / "tkv-e2e.kv").exists() and (tmp_path / "tkv-e2e.live").exists()
     for w in ws:
         w.proxy = side.proxy
     pump = Pump(side, ws)
@@ -118,13 +123,13 @@ async def test_two_ranks_round_trip_through_cpu_and_disk(workers, tmp_path):
         for w in ws:
             assert (await loop.run_in_executor(None, w.ask, "fill", 1))[0] == "filled"
 
-        # 1. store then load, byte-exact per shard; a slot's row is rank 0's shard then rank 1's
+        # 1. store then load, byte-exact per shard; a slot's block is rank 0's shard, then rank 1's, ...
         keys = keyer.keys_for_block_ids(range(3))
         assert (await cache.store(keys, [10, 11, 12])).stored == 3
         (job,) = pump.sent
-        rows = cache.slabs.slab_np[job.cpu_slots]
+        rows = cache.slabs.read_blocks(job.cpu_slots)
         for i, g in enumerate([10, 11, 12]):
-            assert np.array_equal(rows[i], np.concatenate([pattern(0, g, 1), pattern(1, g, 1)]))
+            assert np.array_equal(rows[i], np.concatenate([pattern(r, g, 1) for r in range(world)]))
         assert await cache.load(keys, [30, 31, 32]) == 3
         await check(ws, {30: (10, 1), 31: (11, 1), 32: (12, 1)})
 
@@ -186,7 +191,12 @@ async def test_two_ranks_round_trip_through_cpu_and_disk(workers, tmp_path):
         assert await cache.load(keys, [50, 51, 52]) == 3
         await check(ws, {50: (10, 1), 51: (11, 1), 52: (12, 1)})
         cache.check_invariants()
-        assert side.segment_info.row_bytes == WORLD * SHARD
+        assert side.segment_info.row_bytes == world * SHARD
     finally:
         pump.task.cancel()
         await side.aclose()
+    for w in ws:
+        w.conn.send(("exit",))
+    for w in ws:
+        w.proc.join(30)
+    assert not list(tmp_path.glob("tkv-e2e.*"))  # a normal stop leaves nothing in the segment directory

@@ -10,8 +10,8 @@ from split_helpers import REGIONS, WORLD, config
 import tiered_kv as tkv
 from tiered_kv.errors import LayoutError, TransferError
 from tiered_kv.split import LOAD, STORE, ShardJob
-from tiered_kv.split.scheduler import segment_info_for
 from tiered_kv.split.worker import ShardCopier
+from tiered_kv.tiers.segment_geometry import segment_info_for
 
 
 def rank_kv(num_blocks: int = 64, seed: int = 0):
@@ -35,9 +35,9 @@ def test_each_rank_copies_its_shard_and_back(tmp_path):
         for c in copiers:
             c.submit([store])
         assert [c.drain(30) for c in copiers] == [([1], [])] * WORLD
-        rows = copiers[0].segment.rows
+        seg = copiers[0].segment
         for r, kv in enumerate(kvs):
-            shard = rows[:, r * 1024 : (r + 1) * 1024]
+            shard = seg.shard(r)  # rank r's own contiguous sub-slab
             assert np.array_equal(shard[[0, 1, 7], :768], kv["k"][[5, 9, 2]].numpy())
             assert np.array_equal(shard[[0, 1, 7], 768:], kv["v"][[5, 9, 2]].numpy())
         load = ShardJob(2, LOAD, np.array([40, 41, 60]), np.array([0, 1, 7]))

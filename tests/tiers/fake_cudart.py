@@ -15,7 +15,10 @@ PAGE = 4096
 
 
 class PageLockingRuntime:
-    def __init__(self, *, fail_call: int | None = None, fail_error: int = 2) -> None:
+    def __init__(self, *, fail_call: int | None = None, fail_error: int = 2, page: int = PAGE, origin: int = 0) -> None:
+        """``page``: the page size to emulate (65536 for aarch64 kernels), counted from address ``origin``
+        (the start of a mapping made on this machine's smaller pages)."""
+        self.page, self.origin = page, origin
         self.locked: dict[int, tuple[int, int]] = {}  # ptr -> (first page, end page)
         self.calls: list[tuple[int, int]] = []
         self.fail_call, self.fail_error = fail_call, fail_error
@@ -33,7 +36,8 @@ class PageLockingRuntime:
         self.calls.append((ptr, size))
         if self.fail_call is not None and len(self.calls) == self.fail_call:
             return self._fail(self.fail_error)
-        first, end = ptr // PAGE, -(-(ptr + size) // PAGE)
+        at = ptr - self.origin
+        first, end = at // self.page, -(-(at + size) // self.page)
         if any(a < end and first < b for a, b in self.locked.values()):
             return self._fail(ALREADY_REGISTERED)
         self.locked[ptr] = (first, end)

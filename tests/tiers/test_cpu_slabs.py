@@ -41,3 +41,20 @@ def test_capacity_beyond_available_memory_names_the_numbers():
     layout = tkv.KVLayout.from_block_bytes([1 << 20], num_blocks=4)
     with pytest.raises(tkv.ConfigError, match=r"tiers.cpu.capacity: .* only \d+ bytes"):
         CpuSlabs(layout, available // (1 << 20) + 10, pin="off")
+
+
+@pytest.mark.parametrize("regions", [[4096], [4096, 300, 64], [1000, 24], [12_288, 12_288]])
+@pytest.mark.parametrize("slots", [1, 3, 17, 1000])
+def test_the_slab_is_the_start_of_its_own_page_aligned_storage(regions, slots):
+    """Defect A (issue 27): torch's is_pinned() asks CUDA about the storage's first byte. A view ``skip``
+    bytes into a larger tensor put that byte in the unregistered page before the slab, so a pinned slab
+    was reported unpinned and CUDAStreamEngine refused it at start."""
+    from tiered_kv.tiers.pinning import PAGE
+
+    layout = tkv.KVLayout.from_block_bytes(regions, num_blocks=4)
+    slabs = CpuSlabs(layout, slots, pin="off")
+    storage = slabs.slab.untyped_storage()
+    assert storage.data_ptr() % PAGE == 0
+    assert storage.data_ptr() == slabs.slab.data_ptr() == slabs.regions[0].untyped_storage().data_ptr()
+    assert storage.nbytes() % PAGE == 0 and storage.nbytes() >= slabs.nbytes  # it owns its last page
+    slabs.release()

@@ -8,12 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tiered_kv.errors import ConfigError, DiskError, LayoutError
+from tiered_kv.tiers.segment_geometry import round_up
 from tiered_kv.tiers.shared_cpu import (
     _READY_AT,
-    HEADER_BYTES,
+    PAGE,
     SegmentInfo,
     SharedSegment,
     reclaim_dead,
@@ -29,29 +31,59 @@ def info(tmp_path: Path, name: str = "eng0", **kw) -> SegmentInfo:
     return SegmentInfo.for_engine(str(tmp_path), name, **args)
 
 
-def test_rows_are_slot_major_and_rank_interleaved(tmp_path):
+def test_each_rank_has_a_contiguous_page_aligned_sub_slab(tmp_path):
     sched = SharedSegment.open(info(tmp_path), scheduler=True)
     path = Path(sched.info.path)
     assert path.name == segment_name("eng0")
     assert (path.stat().st_mode & 0o777) == 0o600
-    assert path.stat().st_size == HEADER_BYTES + 4 * 2 * 1024
+    assert sched.info.header_bytes == PAGE  # one page of the running system (issue 27 defect C)
+    assert path.stat().st_size == PAGE + 2 * round_up(4 * 1024, PAGE)
     w0 = SharedSegment.open(info(tmp_path))
     w1 = SharedSegment.open(info(tmp_path))
     w0.shard(0)[2] = 7
     w1.shard(1)[2] = 9
-    assert sched.rows.shape == (4, 2048)
-    assert (sched.rows[2, :1024] == 7).all() and (sched.rows[2, 1024:] == 9).all()
-    assert not sched.rows[[0, 1, 3]].any()
+    for seg in (w0, w1):
+        for rank in range(2):
+            sub = seg.shard(rank)
+            assert sub.flags.c_contiguous and sub.shape == (4, 1024) and sub.ctypes.data % PAGE == 0
+    assert w1.shard(1).ctypes.data - w1.shard(0).ctypes.data == round_up(4 * 1024, PAGE)
+    assert sched.blocks.shape == (4, 2, 1024)
+    assert (sched.blocks[2, 0] == 7).all() and (sched.blocks[2, 1] == 9).all()
+    assert not sched.blocks[[0, 1, 3]].any()
     slabs = SharedCpuSlabs(sched, [512, 512, 512, 512])
-    assert bytes(slabs.rows(2, 1)) == bytes([7] * 1024 + [9] * 1024)
-    assert int(slabs.regions[3][2, 0]) == 9
+    assert slabs.read_blocks([2]).tobytes() == bytes([7] * 1024 + [9] * 1024)  # rank 0's bytes first
+    assert int(slabs.regions[3][2, 0]) == 9 and slabs.offsets == [0, 512, 1024, 1536]
+    slabs.write_blocks([1], (np.arange(2048) % 251).astype(np.uint8).reshape(1, 2048))
+    assert (w1.shard(1)[1] == np.arange(1024, 2048) % 251).all()
     slabs.release()  # the scheduler leaves first: the workers still map it
     assert path.exists()
     w0.close()
     assert path.exists()
-    w1.close()  # the last one out removes it
-    assert not path.exists()
+    w1.close()  # the last one out removes it, and the liveness lock file
+    assert not path.exists() and not list(tmp_path.glob("tkv-eng0*"))
     slabs.release()  # idempotent
+
+
+def test_regions_that_straddle_two_ranks_are_refused(tmp_path):
+    seg = SharedSegment.open(info(tmp_path))
+    with pytest.raises(LayoutError, match="straddles TP ranks 0 and 1"):
+        SharedCpuSlabs(seg, [768, 768, 512])
+    with pytest.raises(LayoutError, match="gives 1024 bytes per block but the segment's blocks are 2 x 1024"):
+        SharedCpuSlabs(seg, [1024])
+    seg.close()
+
+
+def test_the_geometry_follows_the_page_of_the_system_it_runs_on():
+    """A 64 KiB page (aarch64, GH200): the header and every sub-slab start on one, so no rank's pin
+    chunk starts inside a page another rank (or the header) registered."""
+    big = SegmentInfo.for_engine("/x", "e", world_size=4, shard_bytes=3000, num_slots=100, page=65536)
+    assert big.header_bytes == 65536
+    assert [big.rank_offset(r) for r in range(4)] == [65536 * (1 + 5 * r) for r in range(4)]  # 300,000 B -> 5 pages
+    assert big.file_bytes == 65536 * 21
+    with pytest.raises(LayoutError, match="outside the segment's TP group of world_size 4"):
+        big.rank_offset(4)
+    with pytest.raises(ConfigError, match="page must be a power of two"):
+        SegmentInfo.for_engine("/x", "e", world_size=1, shard_bytes=1, num_slots=1, page=12288)
 
 
 def test_whoever_opens_second_checks_the_geometry_naming_both_numbers(tmp_path):
@@ -118,7 +150,7 @@ def test_preflight_names_capacity_free_bytes_and_the_remedy(tmp_path):
     with pytest.raises(ConfigError) as err:
         SharedSegment.open(info(tmp_path, shard_bytes=1 << 20, num_slots=slots))
     msg = str(err.value)
-    assert f"needs {HEADER_BYTES + slots * (2 << 20)} bytes" in msg
+    assert f"needs {info(tmp_path, shard_bytes=1 << 20, num_slots=slots).file_bytes} bytes" in msg
     assert "bytes" in msg.split("only ")[1] and "--shm-size" in msg and "tiers.cpu.shared_path" in msg
     assert not list(tmp_path.glob("*.kv"))
 
@@ -161,6 +193,6 @@ def test_a_killed_engines_segment_is_reclaimed_and_never_read(tmp_path):
     assert not Path(path).exists()
     other.close()
     seg = SharedSegment.open(mine, scheduler=True)
-    assert not seg.rows.any()  # a fresh segment: the dead engine's 0xAB rows are gone
+    assert not seg.blocks.any()  # a fresh segment: the dead engine's 0xAB rows are gone
     seg.close()
     assert not Path(path).exists()

@@ -288,14 +288,24 @@ async def test_compute_must_be_an_event_or_a_stream(rig):
     engine, gpu, cpu = rig
     before = snapshot(cpu)
     for bad in ("stream", 7, torch.zeros(1)):
-        with pytest.raises(TransferError, match=f"compute must be None, a torch.cuda.Event or a torch.cuda.Stream, "
-                                                f"got {type(bad).__name__}"):  # fmt: skip
+        with pytest.raises(TransferError, match=rf"compute must be None, a torch.cuda.Event or a torch.cuda.Stream, "
+                                                rf"got {type(bad).__name__} \(the generic torch.Event"):  # fmt: skip
             engine.submit_store([0], [0], compute=bad)
         with pytest.raises(TransferError, match="compute must be"):
             engine.submit_load([0], [0], compute=bad)
     assert engine.inflight == 0 and all(torch.equal(a, b) for a, b in zip(snapshot(cpu), before, strict=True))
     await engine.submit_store([3], [1], compute=None)
     assert torch.equal(cpu[0][1].cpu(), gpu[0][3].cpu())
+
+
+def test_the_generic_torch_event_vllm_records_is_accepted():
+    """Defect E (issue 27): vLLM orders its own copies with ``torch.Event``, a class unrelated to torch.cuda.Event."""
+    from tiered_kv.transfer.base import check_compute, compute_event, is_event
+
+    event = torch.Event()
+    assert not isinstance(event, torch.cuda.Event) and is_event(event)
+    check_compute(event)  # refused before: "compute must be None, a torch.cuda.Event or a torch.cuda.Stream"
+    assert compute_event(event) is event
 
 
 def test_submit_outside_the_event_loop_raises():

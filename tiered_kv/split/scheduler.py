@@ -1,9 +1,9 @@
 """The scheduler side of the split: the same TieredKVCache over the shared segment and the proxy engine.
 
 The cache's block is the whole TP group's block: its layout is every rank's storages in rank order, so
-``bytes_per_block == world_size * shard_bytes`` and a slot's row is exactly the segment's rank-interleaved
-row. A disk or remote record therefore holds every rank's shard, and the keys and the disk namespace
-name the group (``group_shard_id``), never one rank.
+``bytes_per_block == world_size * shard_bytes``. In the rank-major segment a slot's block is its ranks'
+pieces (tiers/segment_geometry.py); a disk or remote record holds them in rank order, so it holds every
+rank's shard, and the keys and the disk namespace name the group (``group_shard_id``), never one rank.
 """
 
 from __future__ import annotations
@@ -13,38 +13,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..cache import TieredKVCache
-from ..capacity import cpu_rows
 from ..config import Config, load_config
 from ..errors import LayoutError
 from ..keys import BlockKeyer
 from ..layout import KVLayout
-from ..tiers.shared_cpu import SegmentInfo, SharedSegment
+from ..tiers.segment_geometry import SegmentInfo, group_layout, group_shard_id, segment_info_for
+from ..tiers.shared_cpu import SharedSegment
 from ..tiers.shared_slabs import SharedCpuSlabs
 from .proxy import ProxyCopyEngine
 
-
-def group_layout(shard_layout: KVLayout, world_size: int) -> KVLayout:
-    """The TP group's layout: ``shard_layout``'s storages repeated for ranks 0 .. world_size - 1."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise LayoutError(f"world_size must be an int >= 1, got {world_size!r}")
-    return KVLayout.from_specs(shard_layout.storages * world_size, shard_layout.num_blocks,
-                               tensors=shard_layout.tensors * world_size,
-                               block_tokens=shard_layout.block_tokens)  # fmt: skip
-
-
-def group_shard_id(world_size: int) -> str:
-    """The key and disk namespace's shard name for a whole TP group of ``world_size`` ranks."""
-    return f"tp-group-of{world_size}"
-
-
-def segment_info_for(config: Config | str | dict | None, shard_layout: KVLayout, *, world_size: int,
-                     engine_id: str) -> SegmentInfo:  # fmt: skip
-    """The segment an engine's scheduler and every rank open: each side computes it from its own
-    numbers (a worker from its bound tensors), so whoever opens second checks the first one's."""
-    cfg = load_config(config)
-    rows = cpu_rows(cfg, group_layout(shard_layout, world_size))  # exactly the scheduler cache's slab rows
-    return SegmentInfo.for_engine(cfg.tiers.cpu.shared_path, engine_id, world_size=world_size,
-                                  shard_bytes=shard_layout.bytes_per_block, num_slots=rows)  # fmt: skip
+__all__ = ["SchedulerSide", "group_layout", "group_shard_id", "open_scheduler_cache", "segment_info_for"]
 
 
 @dataclass
@@ -58,6 +36,11 @@ class SchedulerSide:
     @property
     def keyer(self) -> BlockKeyer:
         return self.cache.keyer
+
+    def segment_mapped_by_all(self) -> None:
+        """Every process of the engine has mapped the segment (the scheduler and every rank): remove its
+        name, so nothing of it outlives the engine in the directory (SharedSegment.unlink_name)."""
+        self.cache.slabs.segment.unlink_name()
 
     async def aclose(self) -> None:
         await self.cache.aclose()  # drains the proxy, then closes (and removes) the segment

@@ -1,14 +1,18 @@
-"""ShardCopier: a TP rank's copies between its GPU KV tensors and its shard of the shared CPU segment.
+"""ShardCopier: a TP rank's copies between its GPU KV tensors and its sub-slab of the shared CPU segment.
 
-The worker holds no bookkeeping: it maps the scheduler's segment, checks that its own per-rank bytes
-per block is the scheduler's (LayoutError naming both otherwise), issues the jobs it is sent without
+The worker holds no bookkeeping: it maps the engine's segment, checks that its own per-rank bytes
+per block is the segment's (LayoutError naming both otherwise), issues the jobs it is sent without
 waiting for them, and hands back which finished at its next ``poll``.
 
-The copies run on a copy engine over (this rank's registered KV views, this rank's shard of each slot),
-driven by an event loop on a thread the copier owns, so ``submit`` and ``poll`` never block the model's
-thread. Host copies are numpy row copies (transfer/numpy_rows.py: no torch intra-op pool in a foreign
-thread). CUDA copies use CUDAStreamEngine with ``compute=`` an event recorded in the caller's thread, on
-the stream the model ran on.
+The segment is rank-major (tiers/segment_geometry.py): this rank's shard of every slot is one contiguous,
+page-aligned sub-slab, so the copies are exactly the TP=1 ones, at every TP size, and a CUDA rank
+page-locks only its own sub-slab (in ``tiers.cpu.pin_chunk`` chunks). The copies run on a copy engine
+over (this rank's registered KV views, its sub-slab), driven by an event loop on a thread the copier
+owns, so ``submit`` and ``poll`` never block the model's thread. Host copies are numpy row copies
+(transfer/numpy_rows.py: no torch intra-op pool in a foreign thread). CUDA copies use CUDAStreamEngine
+with ``compute=`` an event recorded in the caller's thread, on its current stream, when ``submit`` is
+called: a store submitted after the forward (vLLM's wait_for_save) reads what the forward wrote, a load
+submitted before it (start_load_kv) lands before attention reads it (``wait`` for a synchronous one).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from ..errors import ConfigError, LayoutError, TransferError
 from ..layout import KVLayout
 from ..loops import new_loop
 from ..tiers.pinning import HostRegistration, pin_chunks, warn_if_memlock_low
-from ..tiers.shared_cpu import SegmentInfo, SharedSegment
+from ..tiers.segment_geometry import SegmentInfo
+from ..tiers.shared_cpu import SharedSegment
 from ..transfer.base import CopyEngine, compute_event
 from ..transfer.numpy_rows import NumpyRowEngine
 from .jobs import STORE, ShardJob
@@ -44,14 +49,14 @@ class ShardCopier:
             engine = "cuda" if layout.device.type == "cuda" else "host"
         if engine not in ("host", "cuda"):
             raise ConfigError(f"transfer.engine must be auto, host or cuda for a worker; got {engine!r}")
-        if engine == "cuda" and world_size > 1:
-            raise ConfigError("transfer.engine: cuda copies into a rank-interleaved segment (world_size > 1) need "
-                              "strided host rows, which CUDAStreamEngine does not do yet; use the host engine")  # fmt: skip
+        if engine == "cuda" and layout.device.type != "cuda":
+            raise ConfigError(f"transfer.engine: cuda needs KV tensors on a CUDA device; this rank's are on "
+                              f"{layout.device}")  # fmt: skip
         self.layout = layout
         self.rank = rank
         self.world_size = world_size
         self.kind = engine
-        self.pin_chunk = pin_chunk  # tiers.cpu.pin_chunk: CUDA registers the segment's rows in chunks of this size
+        self.pin_chunk = pin_chunk  # tiers.cpu.pin_chunk: CUDA registers this rank's sub-slab in chunks of this size
         self.segment: SharedSegment | None = None
         self._engine: CopyEngine | None = None
         self._pinned: HostRegistration | None = None
@@ -69,8 +74,8 @@ class ShardCopier:
     def open(self, info: SegmentInfo) -> None:
         """Create or attach to the engine's segment (idempotent for the same one) and build the copy engine.
 
-        ``info`` is computed from this rank's own numbers (split.scheduler.segment_info_for with its bound
-        layout), so a segment another rank or the scheduler made for other per-rank bytes per block is
+        ``info`` is computed from this rank's own numbers (tiers.segment_geometry.segment_info_for with its
+        bound layout), so a segment another rank or the scheduler made for other per-rank bytes per block is
         refused with both numbers (LayoutError).
         """
         if self.segment is not None:
@@ -88,7 +93,7 @@ class ShardCopier:
         try:
             import torch
 
-            shard = torch.from_numpy(seg.shard(self.rank))
+            shard = torch.from_numpy(seg.shard(self.rank))  # contiguous: the TP=1 copy path as is
             cpu, offset = [], 0
             for block_bytes in self.layout.region_block_bytes:
                 cpu.append(shard[:, offset : offset + block_bytes])
@@ -107,7 +112,7 @@ class ShardCopier:
             return NumpyRowEngine(gpu, cpu)
         from ..transfer.cuda import CUDAStreamEngine
 
-        self._pinned, dma_rows = _pin(seg, self.layout.device, self.pin_chunk)
+        self._pinned, dma_rows = _pin(seg, self.rank, self.layout.device, self.pin_chunk)
         return CUDAStreamEngine(gpu, cpu, dma_rows=dma_rows)
 
     # -- the step's calls (any thread, never blocking) ------------------------------------------
@@ -119,7 +124,7 @@ class ShardCopier:
             raise TransferError(f"rank {self.rank}: submit before attach() or after close()")
         # CUDA: the event is recorded here, in the caller's (model runner's) thread on its current stream;
         # the copy stream waits for it, so a store reads what the forward pass wrote.
-        ready = _compute_event() if self.kind == "cuda" else None
+        ready = _compute_event(self.layout.device) if self.kind == "cuda" else None
         with self._lock:
             self._pending += len(jobs)
             self._running.update(j.job_id for j in jobs)
@@ -203,26 +208,28 @@ class ShardCopier:
             pinned.release()
 
 
-def _compute_event() -> Any:
+def _compute_event(device: Any) -> Any:
+    """An event recorded now on the calling thread's current stream of the KV tensors' device."""
     import torch
 
-    return compute_event(torch.cuda.current_stream())
+    return compute_event(torch.cuda.current_stream(device))
 
 
-def _pin(seg: SharedSegment, device: Any, chunk: int) -> tuple[HostRegistration, int | None]:
-    """Page-lock this process's mapping of the segment's rows by the CPU tier's rules (tiers/pinning.py:
-    chunks of whole pages and rows); returns the registration and the rows per chunk (a DMA never
-    crosses a chunk's edge)."""
-    nbytes, row = seg.rows.nbytes, seg.info.row_bytes
-    warn_if_memlock_low(nbytes)
-    chunks = pin_chunks(nbytes, row, max(chunk, 1 << 20))
+def _pin(seg: SharedSegment, rank: int, device: Any, chunk: int) -> tuple[HostRegistration, int | None]:
+    """Page-lock this rank's sub-slab of the segment (only its own: 1/TP of the segment) by the CPU tier's
+    rules (tiers/pinning.py: chunks of whole pages and rows); returns the registration and the rows per
+    chunk (a DMA never crosses a chunk's edge)."""
+    sub = seg.shard(rank)
+    info = seg.info
+    warn_if_memlock_low(sub.nbytes)
+    chunks = pin_chunks(sub.nbytes, info.shard_bytes, max(chunk, 1 << 20), page=info.page)
     registration = HostRegistration(device)
-    base = seg.rows.ctypes.data  # page-aligned: the rows start one header page into the mapping
+    base = sub.ctypes.data  # page-aligned: every sub-slab starts on a page of its own (segment_geometry)
     try:
         for start, size in chunks:
-            registration.register(base + start, size, what=f"offset {start} of the shared CPU tier segment "
-                                                           f"{seg.info.path}")  # fmt: skip
+            registration.register(base + start, size, what=f"offset {start} of rank {rank}'s sub-slab of the shared "
+                                                           f"CPU tier segment {info.path}")  # fmt: skip
     except BaseException:
         registration.release()
         raise
-    return registration, (chunks[0][1] // row if len(chunks) > 1 else None)
+    return registration, (chunks[0][1] // info.shard_bytes if len(chunks) > 1 else None)

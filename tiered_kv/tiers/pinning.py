@@ -24,6 +24,7 @@ import mmap
 import resource
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import PinningError
@@ -33,11 +34,18 @@ PAGE = max(4096, mmap.PAGESIZE)
 
 
 def page_aligned_empty(nbytes: int, page: int = PAGE) -> torch.Tensor:
-    """A uint8 tensor of ``nbytes`` that starts on a page; the rest of its last page belongs to it too."""
-    padded = -(-nbytes // page) * page
-    raw = torch.empty(padded + page, dtype=torch.uint8)
-    skip = (-raw.data_ptr()) % page
-    return raw[skip : skip + nbytes]  # the view keeps the whole allocation alive
+    """A uint8 tensor of ``nbytes`` whose *storage* starts on a page and owns whole pages.
+
+    Not a view into a larger tensor: torch's ``is_pinned()`` asks CUDA about the storage's first byte,
+    which for such a view lies in the unregistered page before it, so a registered slab would be
+    reported unpinned (and CUDAStreamEngine refuses unpinned memory). The aligned numpy view becomes
+    the tensor's own storage (``torch.from_numpy``), which keeps the larger allocation alive.
+    """
+    padded = max(page, -(-nbytes // page) * page)
+    raw = np.empty(padded + page, dtype=np.uint8)
+    skip = (-raw.ctypes.data) % page
+    storage = torch.from_numpy(raw[skip : skip + padded])
+    return storage[:nbytes]
 
 
 def pin_chunks(nbytes: int, row_bytes: int, chunk: int, page: int = PAGE) -> list[tuple[int, int]]:

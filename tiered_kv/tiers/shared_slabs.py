@@ -1,44 +1,48 @@
-"""The shared CPU segment's rows as the CPU tier's slab (the scheduler's side of the split)."""
+"""The shared CPU segment as the CPU tier's slab (the scheduler's side of the split)."""
 
 from __future__ import annotations
 
-from ..errors import LayoutError
+import numpy as np
+
+from .segment_geometry import rank_regions
 from .shared_cpu import SharedSegment
 
 
 class SharedCpuSlabs:
-    """The segment's rows as the CPU tier's slab: a drop-in for ``tiers.cpu.CpuSlabs`` (disk, remote, restage).
+    """The segment as the CPU tier's slab: a drop-in for ``tiers.cpu.CpuSlabs`` (disk, remote, restage).
 
-    ``regions[r]`` are column views of the group layout's regions over whole rows (rank-major).
+    ``slab_np`` is the segment's ``[num_slots, world_size, shard_bytes]`` block view: ``slab_np[s]`` is
+    slot s's whole block, its ranks' pieces in rank order, and fancy indexing on the slot axis copies
+    whole blocks. The disk and remote tiers read and write a block as those pieces (one iovec per rank).
+    ``regions[r]`` are the group layout's regions as views of their rank's sub-slab.
     ``release`` drops the views and detaches from the segment (the last process out removes it).
     """
 
-    pinned = False  # the scheduler's rows are only touched by its own disk and remote I/O
+    pinned = False  # the scheduler's slab is only touched by its own disk and remote I/O
+    dma_rows = None
 
     def __init__(self, segment: SharedSegment, region_block_bytes: tuple[int, ...] | list[int]) -> None:
         import torch
 
         info = segment.info
-        if sum(region_block_bytes) != info.row_bytes:
-            raise LayoutError(f"the layout gives {sum(region_block_bytes)} bytes per block but the segment's rows "
-                              f"are {info.world_size} x {info.shard_bytes} = {info.row_bytes} bytes")  # fmt: skip
+        placed = rank_regions(region_block_bytes, info)  # LayoutError unless they tile the ranks' shards
         self.segment = segment
         self.num_slots = info.num_slots
         self.bytes_per_block = info.row_bytes
         self.nbytes = info.num_slots * info.row_bytes
-        self.slab_np = segment.rows
-        self.slab = torch.from_numpy(segment.rows)
-        self.offsets: list[int] = []
-        self.regions: list = []
-        offset = 0
-        for block_bytes in region_block_bytes:
-            self.offsets.append(offset)
-            self.regions.append(self.slab[:, offset : offset + block_bytes])
-            offset += block_bytes
+        self.slab_np = segment.blocks
+        self.slab = torch.from_numpy(segment.blocks)
+        shards = [torch.from_numpy(segment.shard(r)) for r in range(info.world_size)]
+        self.offsets = [rank * info.shard_bytes + offset for rank, offset, _ in placed]
+        self.regions = [shards[rank][:, offset : offset + width] for rank, offset, width in placed]
 
-    def rows(self, first: int, count: int) -> memoryview:
-        """Slots ``first .. first + count - 1`` as one writable buffer (for vectored I/O)."""
-        return memoryview(self.slab_np[first : first + count]).cast("B")
+    def read_blocks(self, slots) -> np.ndarray:
+        """Whole blocks ``slots`` as one contiguous ``uint8[n, bytes_per_block]`` copy (rank 0's bytes first)."""
+        return self.slab_np[slots].reshape(-1, self.bytes_per_block)
+
+    def write_blocks(self, slots, rows: np.ndarray) -> None:
+        """Write whole blocks (``uint8[n, bytes_per_block]``, rank order) into ``slots``."""
+        self.slab_np[slots] = np.asarray(rows, np.uint8).reshape(-1, *self.slab_np.shape[1:])
 
     def release(self) -> None:
         """Drop the views and detach from the segment. Idempotent."""

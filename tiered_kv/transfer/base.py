@@ -22,16 +22,25 @@ from tiered_kv.errors import LayoutError, TransferError
 log = logging.getLogger(__name__)
 
 
-# What a copy is ordered after: None (the current stream of the thread that submits), a
-# torch.cuda.Event the caller recorded, or a torch.cuda.Stream (an event is recorded on it).
+# What a copy is ordered after: None (the current stream of the thread that submits), an event the
+# caller recorded (torch.cuda.Event, or the generic torch.Event vLLM itself uses), or a torch.cuda.Stream
+# (an event is recorded on it).
 Compute = Any
+_EVENT_TYPES = tuple(t for t in (getattr(torch, "Event", None), torch.cuda.Event) if isinstance(t, type))
+
+
+def is_event(compute: Compute) -> bool:
+    """A ``torch.cuda.Event`` or a generic ``torch.Event`` (they are unrelated classes)."""
+    return isinstance(compute, _EVENT_TYPES)
 
 
 def check_compute(compute: Compute) -> None:
-    """Raise TransferError unless ``compute`` is None, a recorded ``torch.cuda.Event`` or a ``torch.cuda.Stream``.
+    """Raise TransferError unless ``compute`` is None, a recorded event or a ``torch.cuda.Stream``.
 
-    An event that was never recorded would make the copy stream's wait a no-op
-    (CUDA waits on nothing), so it is refused rather than silently unordered.
+    An event is a ``torch.cuda.Event`` or a generic ``torch.Event`` (vLLM records those). One that was
+    never recorded would make the copy stream's wait a no-op (CUDA waits on nothing), so a
+    ``torch.cuda.Event`` that was not is refused rather than silently unordered (a generic event does
+    not say whether it was: the caller's recording is trusted).
     """
     if compute is None or isinstance(compute, torch.cuda.Stream):
         return
@@ -39,8 +48,14 @@ def check_compute(compute: Compute) -> None:
         if getattr(compute, "cuda_event", 1) == 0:
             raise TransferError("compute: the torch.cuda.Event was never recorded; record it on the compute stream first")
         return
+    if is_event(compute):
+        device = getattr(compute, "device", None)
+        if device is not None and getattr(device, "type", "cuda") not in ("cuda", "cpu"):
+            raise TransferError(f"compute: a torch.Event on {device} cannot order a CUDA copy")
+        return
     raise TransferError(
-        f"compute must be None, a torch.cuda.Event or a torch.cuda.Stream, got {type(compute).__name__}"
+        f"compute must be None, a torch.cuda.Event or a torch.cuda.Stream, got {type(compute).__name__} (the "
+        f"generic torch.Event is accepted too)"
     )
 
 

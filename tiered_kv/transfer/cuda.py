@@ -26,6 +26,12 @@ to ``staging_bytes`` of GPU memory per direction. CPU regions that are separate
 contiguous tensors are handled one region at a time the same way, and runs
 consecutive on both sides then skip the staging.
 
+Throughput (issue 27, defect D): the DMAs of staged chunks run on a second stream per direction, and
+staging has two buffers that alternate chunk by chunk (``CudaLanes``): chunk k+1's gather kernel fills
+one buffer while chunk k's DMA drains the other, instead of gather and DMA taking turns on one stream.
+The batches' GPU index tensors are uploaded from a preallocated pinned ring (transfer/index_ring.py),
+not a ``pin_memory()`` per batch, which takes the driver's lock each time.
+
 Completion: each batch records a (blocking-sync) event on its stream; the
 EventBridge waiter thread for that direction synchronises it and resolves the
 future on the loop. ``handle.event`` lets a compute stream wait on a load
@@ -42,9 +48,10 @@ import numpy as np
 import torch
 
 from tiered_kv.errors import ConfigError, LayoutError, TransferError
-from tiered_kv.transfer.base import Compute, CopyEngine, CopyHandle, Direction
+from tiered_kv.transfer.base import Compute, CopyEngine, CopyHandle, Direction, is_event
 from tiered_kv.transfer.bridge import EventBridge
-from tiered_kv.transfer.staged import Staging, enqueue_load, enqueue_store, gpu_groups, host_slabs
+from tiered_kv.transfer.index_ring import IndexRing
+from tiered_kv.transfer.staged import Lanes, Staging, enqueue_load, enqueue_store, gpu_groups, host_slabs
 
 DEFAULT_STAGING_BYTES = 64 * 1024 * 1024
 
@@ -92,6 +99,9 @@ class CUDAStreamEngine(CopyEngine):
                     "(allocate the CPU tier with pinning enabled)"
                 )
             self._streams = {d: torch.cuda.Stream(device=self._device, priority=0) for d in Direction}
+            self._lanes = {d: CudaLanes(self._streams[d], torch.cuda.Stream(device=self._device, priority=0))
+                           for d in Direction}  # fmt: skip
+            self._rings = {d: IndexRing() for d in Direction}
         self._staging = {d: Staging(self._device, staging_bytes) for d in Direction}
         device = self._device
         self._bridges = {
@@ -116,8 +126,10 @@ class CUDAStreamEngine(CopyEngine):
         staging = self._staging[direction]
         keep: list[torch.Tensor] = []
 
+        ring = self._rings[direction]
+
         def index(ids: np.ndarray) -> torch.Tensor:
-            return self._device_index(ids, keep)
+            return self._device_index(ids, keep, ring)
 
         error: TransferError | None = None
         with torch.cuda.device(self._device):
@@ -127,12 +139,13 @@ class CUDAStreamEngine(CopyEngine):
             with torch.cuda.stream(stream):
                 stream.wait_event(ready)
                 try:
+                    lanes = self._lanes[direction]
                     if direction is Direction.STORE:
                         enqueue_store(self._gpu, self.host_slabs, src, dst, staging, index, self.dma_rows,
-                                      self.gpu_groups)  # fmt: skip
+                                      self.gpu_groups, lanes)  # fmt: skip
                     else:
                         enqueue_load(self._gpu, self.host_slabs, src, dst, staging, index, self.dma_rows,
-                                     self.gpu_groups)  # fmt: skip
+                                     self.gpu_groups, lanes)  # fmt: skip
                 except Exception as exc:
                     # Part of the batch may be queued already: report the failure
                     # only after `done`, when none of it can still be running.
@@ -141,14 +154,14 @@ class CUDAStreamEngine(CopyEngine):
                     )
                     error.__cause__ = exc
                 done.record(stream)
-        if staging.buffer is not None:
-            keep.append(staging.buffer)
+            ring.seal(done)  # the ids it uploaded stay put until this batch is done
+        keep += staging.buffers
         handle.event = done
         self._bridges[direction].watch(done, handle.future, loop, self._resolve, error=error, keepalive=keep)
 
     def _ready_event(self, compute: Compute) -> torch.cuda.Event:
         """The event the copy stream waits on: the caller's, or one recorded now on its stream."""
-        if isinstance(compute, torch.cuda.Event):
+        if is_event(compute):  # torch.cuda.Event or the generic torch.Event: Stream.wait_event takes either
             return compute
         stream = torch.cuda.current_stream(self._device) if compute is None else compute
         if stream.device != self._device:
@@ -164,10 +177,50 @@ class CUDAStreamEngine(CopyEngine):
             for staging in self._staging.values():
                 staging.release()
 
-    def _device_index(self, ids: np.ndarray, keep: list[torch.Tensor]) -> torch.Tensor:
-        # Pinned source + non_blocking: a pageable or synchronous upload would make
-        # this (loop) thread wait for the copy stream, i.e. for the compute stream.
-        host = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).pin_memory()
+    def _device_index(self, ids: np.ndarray, keep: list[torch.Tensor], ring: IndexRing) -> torch.Tensor:
+        # Pinned source + non_blocking: a pageable or synchronous upload would make this (loop) thread
+        # wait for the copy stream, i.e. for the compute stream. From the ring: no pin_memory() per batch.
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        host = ring.take(ids)
+        if host is None:  # the ring is full (or the batch is huge): a one-off pinned tensor
+            host = torch.from_numpy(ids).pin_memory()
         dev = host.to(self._device, non_blocking=True)
         keep += (host, dev)
         return dev
+
+
+class CudaLanes(Lanes):
+    """The kernel lane on the engine's stream of a direction, the DMA lane on a second stream.
+
+    Before a lane uses staging buffer ``b`` its stream waits for the event the other lane recorded after
+    its last use of ``b`` (a chunk's DMA after its gather; a gather into ``b`` after the DMA that last
+    read ``b``; the reverse for loads). ``finish`` makes the kernel stream, where the batch's done event
+    is recorded, wait for the DMA stream.
+    """
+
+    def __init__(self, kernel: torch.cuda.Stream, dma: torch.cuda.Stream, buffers: int = 2) -> None:
+        self._streams = {"kernel": kernel, "dma": dma}
+        self._done = {lane: [torch.cuda.Event() for _ in range(buffers)] for lane in self._streams}
+        self._recorded = {lane: [False] * buffers for lane in self._streams}
+
+    def kernel(self):
+        return torch.cuda.stream(self._streams["kernel"])
+
+    def dma(self):
+        return torch.cuda.stream(self._streams["dma"])
+
+    def before(self, lane: str, b: int) -> None:
+        other = "dma" if lane == "kernel" else "kernel"
+        if self._recorded[other][b]:
+            self._streams[lane].wait_event(self._done[other][b])
+
+    def after(self, lane: str, b: int) -> None:
+        self._done[lane][b].record(self._streams[lane])
+        self._recorded[lane][b] = True
+
+    def uses(self, buffer: torch.Tensor) -> None:
+        if buffer is not None:  # the allocator must not hand it out again before the DMA stream is done
+            buffer.record_stream(self._streams["dma"])
+
+    def finish(self) -> None:
+        self._streams["kernel"].wait_stream(self._streams["dma"])

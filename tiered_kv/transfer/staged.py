@@ -12,6 +12,7 @@ Nothing here names a device: CPU tests drive the same code the CUDA engine runs.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -153,34 +154,79 @@ def _group(gpu: Sequence[torch.Tensor], run: list[tuple[int, int]]) -> GpuGroup:
 
 
 class Staging:
-    """A reusable device buffer, handed out as ``[n, width]`` views of at most ``limit_bytes``.
+    """Reusable device buffers, handed out in turn as ``[n, width]`` views of at most ``limit_bytes``.
 
-    Reusing one buffer across chunks, regions and batches is safe because all of
-    them run in order on one stream. Device-agnostic, so CPU tests can drive it.
+    ``buffers`` (two by default) alternate chunk by chunk, so one chunk's gather kernel can fill one
+    buffer while the previous chunk's DMA drains the other (``Lanes`` orders them when those run on two
+    streams; on one stream, or on the CPU, they simply run in order). ``last`` is the index of the buffer
+    the latest ``view`` came from. Device-agnostic, so CPU tests drive it.
     """
 
-    def __init__(self, device: torch.device, limit_bytes: int) -> None:
+    def __init__(self, device: torch.device, limit_bytes: int, buffers: int = 2) -> None:
         self.device = device
         self.limit_bytes = limit_bytes
-        self.buffer: torch.Tensor | None = None
+        self._buffers: list[torch.Tensor | None] = [None] * max(1, buffers)
+        self.last = len(self._buffers) - 1
+
+    @property
+    def buffer(self) -> torch.Tensor | None:
+        """The buffer the latest view came from (None before the first)."""
+        return self._buffers[self.last]
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer allocated so far (to keep alive while a batch may use them)."""
+        return [b for b in self._buffers if b is not None]
 
     def rows_per_chunk(self, width: int) -> int:
         """Rows of ``width`` bytes per chunk; one chunk exceeds the limit only when one row does."""
         return max(1, self.limit_bytes // max(width, 1))
 
     def view(self, rows: int, width: int) -> torch.Tensor:
+        self.last = (self.last + 1) % len(self._buffers)
         nbytes = rows * width
-        buf = self.buffer
+        buf = self._buffers[self.last]
         if buf is None or buf.numel() < nbytes:
-            # Allocated while the copy stream is current, so the caching allocator
-            # ties it (and the memory of any buffer it replaces) to that stream.
+            # Allocated while the kernel stream is current, so the caching allocator ties it (and the
+            # memory of any buffer it replaces) to that stream; Lanes.uses() adds the DMA stream.
             # Doubling bounds the regrowths.
             size = max(nbytes, min(self.limit_bytes, 2 * (0 if buf is None else buf.numel())))
-            buf = self.buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+            buf = self._buffers[self.last] = torch.empty(size, dtype=torch.uint8, device=self.device)
         return buf[:nbytes].view(rows, width)
 
     def release(self) -> None:
-        self.buffer = None
+        self._buffers = [None] * len(self._buffers)
+
+
+class Lanes:
+    """Where a staged chunk's two halves run: the device kernel (gather, scatter) and the DMA.
+
+    This base runs both on the current stream (and on the CPU), where order is program order and every
+    hook is a no-op. ``CudaLanes`` (transfer/cuda.py) puts the DMAs on a stream of their own; before a
+    lane touches staging buffer ``b`` it waits for the other lane's last use of ``b``, so with two
+    buffers a gather overlaps the previous chunk's DMA and no buffer is overwritten while it is read.
+    """
+
+    def kernel(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def dma(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def before(self, lane: str, b: int) -> None:
+        """``lane`` ("kernel" or "dma") is about to use staging buffer ``b``."""
+
+    def after(self, lane: str, b: int) -> None:
+        """``lane`` has queued all its work on staging buffer ``b``."""
+
+    def uses(self, buffer: torch.Tensor) -> None:
+        """The DMA lane reads or writes ``buffer`` (allocated on the kernel lane)."""
+
+    def finish(self) -> None:
+        """The kernel stream (where the batch's done event is recorded) waits for the DMA lane."""
+
+
+ONE_STREAM = Lanes()
 
 
 Index = Callable[[np.ndarray], torch.Tensor]
@@ -189,54 +235,78 @@ Index = Callable[[np.ndarray], torch.Tensor]
 def enqueue_store(
     gpu: Sequence[torch.Tensor], slabs: Sequence[HostSlab], gpu_ids: np.ndarray, cpu_slots: np.ndarray,
     staging: Staging, index: Index, dma_rows: int | None = None, groups: Sequence[list[GpuGroup]] | None = None,
+    lanes: Lanes = ONE_STREAM,
 ) -> None:  # fmt: skip
-    """Queue GPU rows -> CPU slots on the current stream: gather into staging (one kernel per GPU group),
-    one DMA per run of slots (cut at multiples of ``dma_rows``, where the slab's registered chunks end).
-    ``groups``: ``gpu_groups`` of each slab, computed once by the engine (here when omitted)."""
+    """Queue GPU rows -> CPU slots: gather into staging (one kernel per GPU group) on the kernel lane, one DMA
+    per run of slots (cut at multiples of ``dma_rows``, where the slab's registered chunks end) on the DMA
+    lane. ``groups``: ``gpu_groups`` of each slab, computed once by the engine (here when omitted)."""
     plan = _Plan(cpu_slots, gpu_ids, direct_ok=len(slabs[0].regions) == 1, index=index, dma_rows=dma_rows)
-    for k, slab in enumerate(slabs):
-        for g0, s0, n in plan.direct:
-            slab.rows[s0 : s0 + n].copy_(gpu[slab.regions[0]][g0 : g0 + n], non_blocking=True)
-        slab_groups = groups[k] if groups is not None else None
-        for stage, ids, spans in plan.staged(slab.width, staging):
-            if slab_groups is None:
-                slab_groups = gpu_groups(gpu, slab)
-            for group in slab_groups:
-                cols = group.cols(stage)
-                if isinstance(ids, int):  # consecutive GPU rows: a strided device copy, no index
-                    gw, cw = _widen(group.view[ids : ids + len(stage)], cols)
-                    cw.copy_(gw)
-                else:
-                    gw, cw = _widen(group.view, cols)
-                    torch.index_select(gw, 0, ids, out=cw)
-            for o, first, length in spans:
-                slab.rows[first : first + length].copy_(stage[o : o + length], non_blocking=True)
+    try:
+        for k, slab in enumerate(slabs):
+            for g0, s0, n in plan.direct:
+                slab.rows[s0 : s0 + n].copy_(gpu[slab.regions[0]][g0 : g0 + n], non_blocking=True)
+            slab_groups = groups[k] if groups is not None else None
+            for stage, ids, spans in plan.staged(slab.width, staging):
+                b = staging.last
+                if slab_groups is None:
+                    slab_groups = gpu_groups(gpu, slab)
+                with lanes.kernel():
+                    lanes.before("kernel", b)
+                    for group in slab_groups:
+                        cols = group.cols(stage)
+                        if isinstance(ids, int):  # consecutive GPU rows: a strided device copy, no index
+                            gw, cw = _widen(group.view[ids : ids + len(stage)], cols)
+                            cw.copy_(gw)
+                        else:
+                            gw, cw = _widen(group.view, cols)
+                            torch.index_select(gw, 0, ids, out=cw)
+                    lanes.after("kernel", b)
+                with lanes.dma():
+                    lanes.before("dma", b)
+                    lanes.uses(staging.buffer)
+                    for o, first, length in spans:
+                        slab.rows[first : first + length].copy_(stage[o : o + length], non_blocking=True)
+                    lanes.after("dma", b)
+    finally:  # also when enqueueing failed part-way: the done event must cover the queued DMAs
+        lanes.finish()
 
 
 def enqueue_load(
     gpu: Sequence[torch.Tensor], slabs: Sequence[HostSlab], cpu_slots: np.ndarray, gpu_ids: np.ndarray,
     staging: Staging, index: Index, dma_rows: int | None = None, groups: Sequence[list[GpuGroup]] | None = None,
+    lanes: Lanes = ONE_STREAM,
 ) -> None:  # fmt: skip
-    """Queue CPU slots -> GPU rows on the current stream: one DMA per run of slots, then one scatter
-    kernel per GPU group (see enqueue_store)."""
+    """Queue CPU slots -> GPU rows: one DMA per run of slots into staging on the DMA lane, then one scatter
+    kernel per GPU group on the kernel lane (see enqueue_store)."""
     plan = _Plan(cpu_slots, gpu_ids, direct_ok=len(slabs[0].regions) == 1, index=index, dma_rows=dma_rows)
-    for k, slab in enumerate(slabs):
-        for g0, s0, n in plan.direct:
-            gpu[slab.regions[0]][g0 : g0 + n].copy_(slab.rows[s0 : s0 + n], non_blocking=True)
-        slab_groups = groups[k] if groups is not None else None
-        for stage, ids, spans in plan.staged(slab.width, staging):
-            for o, first, length in spans:
-                stage[o : o + length].copy_(slab.rows[first : first + length], non_blocking=True)
-            if slab_groups is None:
-                slab_groups = gpu_groups(gpu, slab)
-            for group in slab_groups:
-                cols = group.cols(stage)
-                if isinstance(ids, int):
-                    cw, gw = _widen(cols, group.view[ids : ids + len(stage)])
-                    gw.copy_(cw)
-                else:
-                    cw, gw = _widen(cols, group.view)
-                    gw.index_copy_(0, ids, cw)
+    try:
+        for k, slab in enumerate(slabs):
+            for g0, s0, n in plan.direct:
+                gpu[slab.regions[0]][g0 : g0 + n].copy_(slab.rows[s0 : s0 + n], non_blocking=True)
+            slab_groups = groups[k] if groups is not None else None
+            for stage, ids, spans in plan.staged(slab.width, staging):
+                b = staging.last
+                with lanes.dma():
+                    lanes.before("dma", b)
+                    lanes.uses(staging.buffer)
+                    for o, first, length in spans:
+                        stage[o : o + length].copy_(slab.rows[first : first + length], non_blocking=True)
+                    lanes.after("dma", b)
+                if slab_groups is None:
+                    slab_groups = gpu_groups(gpu, slab)
+                with lanes.kernel():
+                    lanes.before("kernel", b)
+                    for group in slab_groups:
+                        cols = group.cols(stage)
+                        if isinstance(ids, int):
+                            cw, gw = _widen(cols, group.view[ids : ids + len(stage)])
+                            gw.copy_(cw)
+                        else:
+                            cw, gw = _widen(cols, group.view)
+                            gw.index_copy_(0, ids, cw)
+                    lanes.after("kernel", b)
+    finally:
+        lanes.finish()
 
 
 class _Plan:

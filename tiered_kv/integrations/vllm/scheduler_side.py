@@ -121,6 +121,8 @@ class SchedulerHalf:
                              self._rank_bytes * self._world)  # fmt: skip
         self._side = self._loop.call(open_scheduler_cache(cfg, shard_layout, world_size=self._world,
                                                           engine_id=self._engine_id))  # fmt: skip
+        # Every rank attached the segment before its handshake got here: its name can go (issue 25 item 8).
+        self._side.segment_mapped_by_all()
         log.info("tiered_kv: scheduler cache over %s, %d ranks x %d bytes per block, %s", self._side.segment_info.path,
                  self._world, self._rank_bytes, self._stats()["cpu"])  # fmt: skip
 

@@ -24,11 +24,10 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from ...errors import TransferError
-from ...split.scheduler import segment_info_for
 from ...split.worker import ShardCopier
+from ...tiers.segment_geometry import segment_config, segment_info_for
 from .geometry import worker_layout
 from .meta import TieredKVHandshake, TieredKVMetadata, TieredKVWorkerMeta
-from .runtime import resolve_config
 
 if TYPE_CHECKING:
     import torch
@@ -62,10 +61,11 @@ class WorkerHalf:
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         kcc = self._kv_cache_config
         layout = worker_layout(kv_caches, kcc, self._vllm_config.cache_config.block_size)
-        mc = self._vllm_config.model_config
-        cfg = resolve_config(self._extra["config"], str(mc.model), getattr(mc, "revision", None),
-                             layout.bytes_per_block * self._world)  # fmt: skip
-        copier = ShardCopier(layout, rank=self._rank, world_size=self._world, engine=cfg.transfer.engine)
+        # The segment's geometry from one pure module (tiers/segment_geometry.py), and only the config
+        # sections it needs: the scheduler computes the same from its own numbers.
+        cfg = segment_config(self._extra["config"], group_bytes_per_block=layout.bytes_per_block * self._world)
+        copier = ShardCopier(layout, rank=self._rank, world_size=self._world, engine=cfg.transfer.engine,
+                             pin_chunk=cfg.tiers.cpu.pin_chunk)  # fmt: skip
         try:  # create-or-attach: whoever opens second checks the first one's numbers (LayoutError names both)
             copier.open(segment_info_for(cfg, layout, world_size=self._world, engine_id=self._engine_id))
         except BaseException:

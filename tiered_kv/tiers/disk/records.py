@@ -4,7 +4,10 @@ A batch arrives sorted by disk slot and is cut into runs of consecutive slots. A
 ``pwritev``/``preadv`` whose iovecs alternate a "gap" and a payload: the gap of record j is the zero padding
 that ends record j-1 followed by record j's header (both live in one per-batch numpy array), the payload
 is a slice of the CPU slab itself (zero copy). So a run costs two iovecs per record, and runs longer
-than ``IOV_MAX / 2`` records are split. O_DIRECT needs aligned memory, so there each run goes through
+than ``IOV_MAX / 2`` records are split. A slab may also be a ``[rows, ranks, shard]`` block view (the
+shared segment's rank-major sub-slabs): a record's payload is then its ranks' pieces in rank order, one
+iovec per rank (``1 + ranks`` per record), and the checksum is the same xxh3 of those bytes in that order,
+so a record reads back whichever layout wrote it. O_DIRECT needs aligned memory, so there each run goes through
 this thread's page-aligned bounce buffer, as many whole records at a time as it holds.
 
 Nothing here interprets a failure: ``write_batch`` raises the OSError of the first run that fails (no
@@ -22,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import xxhash
 
+from ..slab_parts import SlabParts, xxh_parts
 from .files import pwritev_all
 from .format import HEADER_SIZE
 
@@ -43,8 +47,11 @@ def find_runs(slots: np.ndarray, max_len: int) -> list[tuple[int, int]]:
 
 
 def _hash(slab: np.ndarray, rows: list[int]) -> np.ndarray:
-    flat, bpb = memoryview(slab).cast("B"), slab.shape[1]
-    return np.fromiter((_xxh(flat[r * bpb : (r + 1) * bpb]) for r in rows), dtype=np.uint64, count=len(rows))
+    if slab.ndim == 2 and slab.flags.c_contiguous:
+        flat, bpb = memoryview(slab).cast("B"), slab.shape[1]
+        return np.fromiter((_xxh(flat[r * bpb : (r + 1) * bpb]) for r in rows), dtype=np.uint64, count=len(rows))
+    parts = SlabParts(slab)
+    return np.fromiter((xxh_parts(parts.views(r)) for r in rows), dtype=np.uint64, count=len(rows))
 
 
 class Hasher:
@@ -64,7 +71,7 @@ class Hasher:
     def rows(self, slab: np.ndarray, rows: list[int]) -> np.ndarray:
         """Checksums of ``slab[rows[i]]`` (a C-contiguous 2-D uint8 array)."""
         n = len(rows)
-        if self._pool is None or n < 2 or n * slab.shape[1] < self.split_bytes:
+        if self._pool is None or n < 2 or n * (slab.nbytes // max(1, len(slab))) < self.split_bytes:
             return _hash(slab, rows)
         cuts = np.linspace(0, n, min(n, self._helpers + 1) + 1).astype(int).tolist()
         futs = [self._pool.submit(_hash, slab, rows[a:b]) for a, b in zip(cuts[1:-1], cuts[2:], strict=True)]
@@ -91,31 +98,36 @@ class RecordIO:
         self.direct = True
         self.max_run = max(1, BOUNCE_BYTES // self.rs)
 
-    def runs(self, slots: np.ndarray) -> list[tuple[int, int]]:
-        return find_runs(slots, self.max_run)
+    def runs(self, slots: np.ndarray, parts: int = 1) -> list[tuple[int, int]]:
+        """Runs of consecutive slots, each one syscall: ``1 + parts`` iovecs per record when buffered."""
+        return find_runs(slots, self.max_run if self.direct else max(1, (IOV_MAX - 1) // (1 + parts)))
 
     # ---- writes --------------------------------------------------------------------------------------
     def write_batch(self, fd: int, slots: np.ndarray, headers: np.ndarray, src: np.ndarray, rows: list[int]) -> int:
         """Write records ``slots[i]`` = headers[i] + src[rows[i]]; returns the number of syscalls."""
-        runs = self.runs(slots)
+        parts = SlabParts(src)
+        runs = self.runs(slots, len(parts))
         if self.direct:
-            return sum(self._write_direct(fd, int(slots[a]), headers[a:b], src, rows[a:b]) for a, b in runs)
+            return sum(self._write_direct(fd, int(slots[a]), headers[a:b], parts, rows[a:b]) for a, b in runs)
         gaps = np.zeros((len(rows), self.gap), np.uint8)
         gaps[:, self.pad :] = headers
-        g, flat, gw, bpb, pad = memoryview(gaps).cast("B"), memoryview(src).cast("B"), self.gap, self.bpb, self.pad
+        g, gw, bpb, pad = memoryview(gaps).cast("B"), self.gap, self.bpb, self.pad
         for a, b in runs:
-            iov = [g[a * gw + pad : (a + 1) * gw], flat[rows[a] * bpb : (rows[a] + 1) * bpb]]
+            iov = [g[a * gw + pad : (a + 1) * gw], *parts.views(rows[a])]
             for j in range(a + 1, b):
-                iov += (g[j * gw : (j + 1) * gw], flat[rows[j] * bpb : (rows[j] + 1) * bpb])
+                iov += (g[j * gw : (j + 1) * gw], *parts.views(rows[j]))
             pwritev_all(fd, iov, int(slots[a]) * self.rs, (b - a - 1) * self.rs + HEADER_SIZE + bpb)
         return len(runs)
 
-    def _write_direct(self, fd: int, first: int, headers: np.ndarray, src: np.ndarray, rows: list[int]) -> int:
+    def _write_direct(self, fd: int, first: int, headers: np.ndarray, parts: SlabParts, rows: list[int]) -> int:
         buf, arr = self._bounce()
         k = len(rows)
         arr[:k, :HEADER_SIZE] = headers
         for i, r in enumerate(rows):
-            arr[i, HEADER_SIZE : HEADER_SIZE + self.bpb] = src[r]
+            at = HEADER_SIZE
+            for p, w in zip(parts.parts, parts.widths, strict=True):
+                arr[i, at : at + w] = p[r]
+                at += w
         arr[:k, HEADER_SIZE + self.bpb :] = 0
         pwritev_all(fd, [buf[: k * self.rs]], first * self.rs, k * self.rs)
         return 1
@@ -129,30 +141,34 @@ class RecordIO:
         """
         n = len(rows)
         whole = np.zeros(n, bool)
-        runs = self.runs(slots)
+        parts = SlabParts(dst)
+        runs = self.runs(slots, len(parts))
         if self.direct:
             headers = np.empty((n, HEADER_SIZE), np.uint8)
             for a, b in runs:
-                self._read_direct(fd, int(slots[a]), headers[a:b], whole[a:b], dst, rows[a:b])
+                self._read_direct(fd, int(slots[a]), headers[a:b], whole[a:b], parts, rows[a:b])
             return headers, whole, len(runs)
         gaps = np.empty((n, self.gap), np.uint8)
-        g, flat, gw, bpb, pad = memoryview(gaps).cast("B"), memoryview(dst).cast("B"), self.gap, self.bpb, self.pad
+        g, gw, bpb, pad = memoryview(gaps).cast("B"), self.gap, self.bpb, self.pad
         for a, b in runs:
-            iov = [g[a * gw + pad : (a + 1) * gw], flat[rows[a] * bpb : (rows[a] + 1) * bpb]]
+            iov = [g[a * gw + pad : (a + 1) * gw], *parts.views(rows[a])]
             for j in range(a + 1, b):
-                iov += (g[j * gw : (j + 1) * gw], flat[rows[j] * bpb : (rows[j] + 1) * bpb])
+                iov += (g[j * gw : (j + 1) * gw], *parts.views(rows[j]))
             got = os.preadv(fd, iov, int(slots[a]) * self.rs)
             whole[a:b] = np.arange(b - a) * self.rs + HEADER_SIZE + bpb <= got
         return np.ascontiguousarray(gaps[:, pad:]), whole, len(runs)
 
-    def _read_direct(self, fd: int, first: int, headers: np.ndarray, whole: np.ndarray, dst: np.ndarray,
-                     rows: list[int]) -> None:
+    def _read_direct(self, fd: int, first: int, headers: np.ndarray, whole: np.ndarray, parts: SlabParts,
+                     rows: list[int]) -> None:  # fmt: skip
         buf, arr = self._bounce()
         k = len(rows)
         got = os.preadv(fd, [buf[: k * self.rs]], first * self.rs)
         headers[:] = arr[:k, :HEADER_SIZE]
         for i, r in enumerate(rows):
-            dst[r] = arr[i, HEADER_SIZE : HEADER_SIZE + self.bpb]
+            at = HEADER_SIZE
+            for p, w in zip(parts.parts, parts.widths, strict=True):
+                p[r] = arr[i, at : at + w]
+                at += w
         whole[:] = np.arange(k) * self.rs + HEADER_SIZE + self.bpb <= got
 
     def _bounce(self) -> tuple[memoryview, np.ndarray]:

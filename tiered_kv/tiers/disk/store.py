@@ -300,11 +300,11 @@ class DiskStore:
     def _check_batch(self, disk_slots: Any, cpu_slots: Any, slab: Any, *, writable: bool
                      ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
         self._check_open()
-        if not (isinstance(slab, np.ndarray) and slab.dtype == np.uint8 and slab.ndim == 2
-                and slab.shape[1] == self._bpb and slab.flags.c_contiguous):  # fmt: skip
-            raise LayoutError(f"the slab must be a C-contiguous uint8 [rows, {self._bpb}] array (bytes_per_block "
-                              f"{self._bpb}); got {getattr(slab, 'dtype', type(slab).__name__)} "
-                              f"{getattr(slab, 'shape', '')}")  # fmt: skip
+        if not _slab_ok(slab, self._bpb):
+            raise LayoutError(f"the slab must be a C-contiguous uint8 [rows, {self._bpb}] array, or a uint8 [rows, "
+                              f"ranks, shard] block view with ranks x shard = {self._bpb} (bytes_per_block) and "
+                              f"dense shard rows; got {getattr(slab, 'dtype', type(slab).__name__)} "
+                              f"{getattr(slab, 'shape', '')} strides {getattr(slab, 'strides', '')}")  # fmt: skip
         if writable and not slab.flags.writeable:
             raise LayoutError("the slab is read-only; read_many needs to write into it")
         d = self._slot_array(disk_slots, "disk_slots", self.num_slots)
@@ -405,3 +405,14 @@ class DiskStore:
             why = check_header(headers[i].tobytes(), slot, keys[i].tobytes(), self._bpb)[1] or "payload checksum mismatch"
             whys.append(f"slot {slot}: {'short read' if not whole[i] else why}")
         return ok, whys, syscalls
+
+
+def _slab_ok(slab: Any, bpb: int) -> bool:
+    """A 2-D C-contiguous slab of whole blocks, or a 3-D block view whose every rank piece is a dense row
+    (tiers/segment_geometry.py: the shared segment's sub-slabs); records.SlabParts reads either."""
+    if not (isinstance(slab, np.ndarray) and slab.dtype == np.uint8):
+        return False
+    if slab.ndim == 2:
+        return slab.shape[1] == bpb and slab.flags.c_contiguous
+    return slab.ndim == 3 and slab.shape[1] * slab.shape[2] == bpb and slab.strides[2] == 1 and \
+        min(slab.strides[:2]) >= slab.shape[2]  # fmt: skip

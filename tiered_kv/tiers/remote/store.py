@@ -26,6 +26,7 @@ from ...config_tiers import RemoteTierConfig
 from ...errors import KeyFormatError, RemoteError, SlotError, TieredKVError
 from ...metrics import CacheMetrics
 from ..cpu import CpuSlabs
+from ..slab_parts import SlabParts, xxh_parts
 from .client import Connections, Node, OutOfMemoryError, Reply, ResponseError, read_password
 from .format import (
     HEADER_SIZE,
@@ -119,8 +120,12 @@ class RemoteStore:
             self._count("put", "failed", n if self.degraded else 0)
             return ok
         t0 = time.perf_counter()  # not loop.time(): uvloop's ticks in whole milliseconds
-        rows = [memoryview(self._slab[s]) for s in slots.tolist()]
-        psums = await self._cpu(n * self._bpb, row_sums, rows)
+        parts = SlabParts(self._slab)  # a rank-major segment: a block is its ranks' pieces, sent in rank order
+        rows = [parts.views(s) for s in slots.tolist()]
+        if len(parts) == 1:
+            psums = await self._cpu(n * self._bpb, row_sums, [r[0] for r in rows])
+        else:
+            psums = await self._cpu(n * self._bpb, _part_sums, rows)
         heads = encode_headers(keys, self._nsd, self._bpb, psums).tobytes()
         rkeys = redis_keys(self._prefix, keys)
         head, tail, vlen, hs = self._set_head, self._set_tail, self._vlen, HEADER_SIZE
@@ -130,7 +135,7 @@ class RemoteStore:
             for i in idx:  # [command, key, value length, header] then the row itself: no copy of the row here
                 k = rkeys[i]
                 out.append(b"".join((carry, head, b"$%d\r\n" % len(k), k, b"\r\n", vlen, heads[i * hs : (i + 1) * hs])))
-                out.append(rows[i])
+                out.extend(rows[i])
                 carry = tail
             out.append(carry)
             return out
@@ -225,8 +230,9 @@ class RemoteStore:
         """Verify replies ``sel`` and copy the good payloads into their slab rows (on a thread or inline)."""
         vals = [values[i] for i in sel.tolist()]
         good = check_values(vals, keys[sel], self._nsd, self._bpb)
+        block = self._slab.shape[1:]  # (bytes_per_block,), or (ranks, shard) for the rank-major segment
         for j in np.flatnonzero(good).tolist():
-            self._slab[slots[sel[j]]] = np.frombuffer(vals[j], np.uint8, self._bpb, HEADER_SIZE)
+            self._slab[slots[sel[j]]] = np.frombuffer(vals[j], np.uint8, self._bpb, HEADER_SIZE).reshape(block)
         ok[sel] = good
         for i in sel[good].tolist():
             values[i] = b""  # landed: free the reply now; b"" (not None) so it is not counted as gone
@@ -387,3 +393,8 @@ async def _run_all(coros: list) -> list[BaseException]:
         await _wait_all(tasks)
         raise
     return [t.exception() for t in tasks if t.exception() is not None]
+
+
+def _part_sums(rows: list[list[memoryview]]) -> np.ndarray:
+    """xxh3-64 of each block given as its pieces in rank order (the digest of the whole record payload)."""
+    return np.fromiter((xxh_parts(r) for r in rows), dtype=np.uint64, count=len(rows))

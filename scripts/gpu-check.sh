@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# The GPU check in one command (issue 27): build the native core, run the GPU tests (make test-gpu's set,
+# the slow realistic batch and the ShardCopier tests included), `tiered-kv bench --only gpu --json`, and the
+# vLLM-free TP=2 ShardCopier bench; write ONE JSON with the device's name and GB/s per direction.
+#
+#   scripts/gpu-check.sh [OUT_DIR]        (default: ./gpu-check; the JSON is OUT_DIR/gpu-check.json)
+#
+# Without CUDA it runs the same steps as a dry run: each says what it would run and that it was skipped
+# because no CUDA was found, the JSON says {"cuda": false, "dry_run": true, ...}, and it exits 0.
+# Environment: PYTHON (default .venv/bin/python, else python3), GPU_CHECK_TIMEOUT (seconds per step, 900).
+# A bare GPU machine needs: a CUDA build of torch (e.g. torch==2.13.0 from download.pytorch.org/whl/cu128),
+# numpy, pyyaml, pydantic>=2.5, xxhash, prometheus-client, aiofiles, uvloop, rich, pybind11, pytest>=8.4,
+# pytest-asyncio>=1.4, hypothesis, redis[hiredis] (tests/remote), and a C++17 compiler for the core.
+set -u -o pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+OUT="$(mkdir -p "${1:-gpu-check}" && cd "${1:-gpu-check}" && pwd)"
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then
+    if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+STEP_TIMEOUT="${GPU_CHECK_TIMEOUT:-900}"
+
+CUDA_INFO="$("$PY" - <<'PY' 2>&1
+import torch
+if torch.cuda.is_available():
+    print("yes", torch.cuda.device_count(), torch.cuda.get_device_name(0), torch.version.cuda, sep="|")
+else:
+    print("no", torch.__version__, torch.version.cuda or "cpu-only build", sep="|")
+PY
+)"
+if [ "${CUDA_INFO%%|*}" = "yes" ]; then
+    CUDA=1
+    echo "gpu-check: CUDA found: $CUDA_INFO"
+else
+    CUDA=0
+    echo "gpu-check: no CUDA found (torch.cuda.is_available() is False: $CUDA_INFO); DRY RUN, every step is skipped"
+fi
+
+declare -A RC
+step() {  # step NAME LOG CMD...: run it (or, without CUDA, say it would have), remember its exit status
+    local name="$1" log="$2"
+    shift 2
+    if [ "$CUDA" = 0 ]; then
+        echo "gpu-check: [$name] skipped, no CUDA found; would run: $*"
+        RC[$name]="skipped"
+        return
+    fi
+    echo "gpu-check: [$name] $*"
+    timeout "$STEP_TIMEOUT" "$@" >"$OUT/$log" 2>"$OUT/$log.stderr"
+    local rc=$?
+    RC[$name]=$rc
+    tail -n 5 "$OUT/$log" "$OUT/$log.stderr"
+    echo "gpu-check: [$name] exit status $rc (log: $OUT/$log)"
+}
+
+step build build.log "$PY" setup.py -q build_ext --inplace
+step tests tests.log "$PY" -m pytest -q -p no:cacheprovider -m gpu tests \
+    --junitxml="$OUT/tests.xml"
+step bench bench.json "$PY" -m tiered_kv.cli bench --only gpu --json
+step shard-bench shard-bench.log "$PY" scripts/bench_shard_copier.py --world 2 --engine cuda \
+    --json "$OUT/shard-bench.json"
+
+RESULTS="$(for k in "${!RC[@]}"; do printf '%s=%s\n' "$k" "${RC[$k]}"; done)"
+CUDA="$CUDA" CUDA_INFO="$CUDA_INFO" OUT="$OUT" RESULTS="$RESULTS" "$PY" - <<'PY'
+import json
+import os
+from pathlib import Path
+
+out = Path(os.environ["OUT"])
+info = os.environ["CUDA_INFO"].split("|")
+cuda = os.environ["CUDA"] == "1"
+steps = dict(line.split("=", 1) for line in os.environ["RESULTS"].splitlines() if line)
+doc = {"cuda": cuda, "dry_run": not cuda, "steps": steps}
+if not cuda:
+    doc["message"] = f"no CUDA found (torch {info[1]}, {info[2]}): nothing was run"
+else:
+    doc["device"], doc["device_count"], doc["cuda_version"] = info[2], int(info[1]), info[3]
+    gbps = {}
+    try:  # tiered-kv bench --only gpu --json: rows per op (store = D2H, load = H2D)
+        bench = json.loads((out / "bench.json").read_text())
+        rows = bench.get("gpu", {}).get("rows", [])
+        for row in rows:
+            key = f"cache_{row['op']}_{row['block_bytes']}B_{row['regions']}regions"  # store: D2H, load: H2D
+            gbps[key] = {"ours": row.get("ours_gbps", {}).get("median"), "raw": row.get("raw_gbps", {}).get("median"),
+                         "pinned_dma": row.get("pinned_dma_gbps")}
+        doc["bench_gpu"] = bench.get("gpu")
+    except (OSError, ValueError, KeyError) as exc:
+        doc["bench_gpu_error"] = repr(exc)
+    try:
+        shard = json.loads((out / "shard-bench.json").read_text())
+        gbps["shard_copier_tp2"] = shard["copies"]["gbps_per_rank"]
+        doc["shard_bench"] = shard
+    except (OSError, ValueError, KeyError) as exc:
+        doc["shard_bench_error"] = repr(exc)
+    doc["gbps"] = gbps
+    doc["ok"] = all(v == "0" for v in steps.values())
+(out / "gpu-check.json").write_text(json.dumps(doc, indent=1) + "\n")
+print(f"gpu-check: wrote {out / 'gpu-check.json'}")
+print(json.dumps({k: doc[k] for k in ("cuda", "dry_run", "steps") if k in doc}))
+PY
+if [ "$CUDA" = 1 ]; then
+    for k in "${!RC[@]}"; do [ "${RC[$k]}" = 0 ] || exit 1; done
+fi
+exit 0
