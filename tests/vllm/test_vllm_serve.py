@@ -99,4 +99,6 @@ def test_vllm_serve_over_http_hints_reset_hits_and_a_clean_sigterm(wide_model_di
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
         log.close()
-    assert not [p.name for p in shm.iterdir() if p.name.startswith("tkv-")], "a segment was left in shared memory"
+    # No segment stays (its name went once every process had mapped it); only empty lock files may.
+    left = {q.name: q.stat().st_size for q in shm.iterdir() if q.name.startswith("tkv-")}
+    assert not [n for n in left if n.endswith(".kv")] and not any(left.values()), left
