@@ -132,14 +132,15 @@ def child_pid_alive(pid: int) -> bool:
 
 def test_a_failure_inside_the_group_kills_the_leader_and_its_children(tmp_path):
     pidfile = tmp_path / "child.pid"
-    # the leader starts a grandchild (as vLLM starts its EngineCore) that ignores SIGTERM
-    code = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', "
-            "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)']); "
-            f"open({str(pidfile)!r}, 'w').write(str(c.pid)); time.sleep(120)")  # fmt: skip
+    # the leader starts a child (as vLLM starts its EngineCore) that ignores SIGTERM, then says its pid
+    child = (f"import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+             f"open({str(pidfile)!r} + '.tmp', 'w').write(str(os.getpid())); "
+             f"os.replace({str(pidfile)!r} + '.tmp', {str(pidfile)!r}); time.sleep(120)")
+    code = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(120)"
     with pytest.raises(RuntimeError, match="bench failed"):
         with group([sys.executable, "-c", code]) as proc:
             deadline = time.monotonic() + 20
-            while not pidfile.exists() or not pidfile.read_text():
+            while not pidfile.exists():
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
             raise RuntimeError("bench failed")
