@@ -52,11 +52,12 @@ def spec_for(engine: str, model: str, tp: int, bind: str, steps: list[dict], tmp
     return spec
 
 
-def one(spec: dict, tmp: Path, timeout_s: float) -> dict:
+def one(spec: dict, tmp: Path, timeout_s: float, log: Path) -> dict:
     path = tmp / f"spec-{len(list(tmp.glob('spec-*')))}.json"
     path.write_text(json.dumps(spec))
     env = {**os.environ, **spec["env"], "LMCACHE_DISABLE_BANNER": "1"}
-    return run_engine([sys.executable, str(HERE / "peer_engine.py"), str(path)], timeout_s, cwd=tmp, env=env)
+    cmd = [sys.executable, str(HERE / "peer_engine.py"), str(path)]
+    return run_engine(cmd, timeout_s, cwd=tmp, env=env, log=log)
 
 
 def bench_tp(tp: int, bind: str, model: str, args: argparse.Namespace, tmp: Path, sweep: ShmSweep) -> dict:
@@ -65,14 +66,16 @@ def bench_tp(tp: int, bind: str, model: str, args: argparse.Namespace, tmp: Path
     steps, tags = plan(ttft, nohit, warm=tokens(699, 64))
     per: dict[str, dict[str, list[float]]] = {e: {} for e in ENGINES}
     runs: list[dict] = []
-    with LMCacheServer(sys.executable, tmp / f"lmcache-server-tp{tp}.log") as server:
+    with LMCacheServer(sys.executable, args.logs / f"lmcache-server-tp{tp}.log") as server:
         rss0 = server.rss_mib()
         for p in range(args.passes):
-            for eng in order(p):
+            for eng in order(p, args.engines):
                 if eng == "lmcache":
                     server.clear()
                 try:
-                    report = one(spec_for(eng, model, tp, bind, steps, tmp, server.port), tmp, args.timeout)
+                    spec = spec_for(eng, model, tp, bind, steps, tmp, server.port)
+                    log = args.logs / f"engine-tp{tp}-pass{p}-{eng}.log"
+                    report = one(spec, tmp, args.timeout, log)
                 except RuntimeError as e:
                     print(f"  TP={tp} pass {p} {eng}: FAILED {e}", flush=True)
                     runs.append({"pass": p, "engine": eng, "error": str(e)[-2000:]})
@@ -80,12 +83,15 @@ def bench_tp(tp: int, bind: str, model: str, args: argparse.Namespace, tmp: Path
                 finally:
                     sweep.sweep()
                 s = samples(report, tags)
+                s["degraded"] = [log.read_text().count("entering degraded mode")] if eng == "lmcache" else [0]
                 merge(per[eng], s)
                 runs.append({"pass": p, "engine": eng, "start_s": report["steps"][0]["start_s"], "samples": s,
                              "connector": {k: v for k, v in report.items() if k != "steps"}})  # fmt: skip
-                print(f"  TP={tp} pass {p} {eng:9s} recompute {s['recompute']} offload {s['offload']} "
-                      f"(cached {s['offload_cached']}) gpu {s['gpu']} ms; no-hit tok/s "
-                      f"{[round(x) for x in s['nohit_tok_s']]}", flush=True)  # fmt: skip
+                ms = {k: [round(x, 1) for x in s[k]] for k in ("recompute", "offload", "gpu")}
+                print(f"  TP={tp} pass {p} {eng:9s} recompute {ms['recompute']} offload {ms['offload']} "
+                      f"(cached {s['offload_cached']}) gpu {ms['gpu']} ms; no-hit tok/s "
+                      f"{[round(x) for x in s['nohit_tok_s']]}; wrong tokens {sum(s['wrong_tokens'])}, "
+                      f"refused resets {s['reset_failures'][0]}, degraded {s['degraded'][0]}", flush=True)  # fmt: skip
         rss1 = server.rss_mib()
     return {"bind": bind, "summary": summarise({e: v for e, v in per.items() if v}), "runs": runs,
             "lmcache_server_rss_mib": [rss0, rss1]}  # fmt: skip
@@ -97,8 +103,11 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=2, help="engine runs of each kind (order rotated)")
     ap.add_argument("--rounds", type=int, default=3, help="TTFT and no-hit rounds in each engine run")
     ap.add_argument("--timeout", type=float, default=900, help="seconds for one engine run")
+    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     ap.add_argument("--json", type=Path, help="write the medians and every sample here")
+    ap.add_argument("--logs", type=Path, default=Path("out/bench-peers-logs"), help="engine and server logs")
     args = ap.parse_args()
+    args.logs.mkdir(parents=True, exist_ok=True)
     from rich.console import Console
 
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()

@@ -49,17 +49,29 @@ def group(cmd: Sequence[str], **popen) -> Iterator[subprocess.Popen]:
         kill_group(proc)
 
 
-def run_engine(cmd: Sequence[str], timeout_s: float, cwd: Path, env: dict | None = None) -> dict:
-    """Run one engine script; its ``ENGINE_REPORT`` line, or RuntimeError with its output's tail."""
+def run_engine(cmd: Sequence[str], timeout_s: float, cwd: Path, env: dict | None = None,
+               log: Path | None = None) -> dict:  # fmt: skip
+    """Run one engine script; its ``ENGINE_REPORT`` line, or RuntimeError with its output's tail.
+
+    ``log``: where its whole stderr goes (vLLM's and LMCache's logging), kept for a post-mortem.
+    """
+    timed_out = False
     with group(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env) as proc:
         try:
             out, err = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            raise RuntimeError(f"engine still running after {timeout_s:.0f} s: killed") from None
+            kill_group(proc)
+            out, err = proc.communicate()
+            timed_out = True
+    if log is not None:
+        log.write_text(err)
+    if timed_out:
+        raise RuntimeError(f"engine still running after {timeout_s:.0f} s: killed")
     for line in out.splitlines():
         if line.startswith("ENGINE_REPORT ") and proc.returncode == 0:
             return json.loads(line[len("ENGINE_REPORT ") :])
-    raise RuntimeError(f"engine exited {proc.returncode} without a report:\n{err[-3000:]}")
+    where = f" (whole log: {log})" if log is not None else ""
+    raise RuntimeError(f"engine exited {proc.returncode} without a report{where}:\n{err[-3000:]}")
 
 
 def held_paths(proc_root: Path = Path("/proc")) -> set[str]:
@@ -132,7 +144,8 @@ class LMCacheServer:
         self.cmd = [python, "-m", "lmcache.v1.multiprocess.http_server", "--host", "localhost",
                     "--port", str(self.port), "--http-host", "127.0.0.1", "--http-port", str(self.http_port),
                     "--chunk-size", str(chunk), "--disable-observability", "--eviction-policy", "LRU",
-                    "--l1-size-gb", str(l1_gb), "--l1-init-size-gb", str(l1_gb)]  # fmt: skip
+                    "--l1-size-gb", str(l1_gb), "--l1-init-size-gb", str(l1_gb),
+                    "--worker-reap-timeout-seconds", "600"]  # fmt: skip
         self.log = log
         self._cm = None
         self.proc: subprocess.Popen | None = None

@@ -15,7 +15,10 @@ from collections.abc import Callable, Sequence
 ENGINES = ("none", "tiered_kv", "lmcache")
 TITLES = {"none": "no connector", "tiered_kv": "tiered_kv", "lmcache": "LMCache (lmcache_driven)"}
 TTFT_KINDS = ("recompute", "offload", "gpu")
-STORE_SETTLE_S = 0.5  # between a prompt's first run and the reset: the connectors' stores land
+STORE_SETTLE_S = 1.0  # between a prompt's first run and the reset: the connectors' stores land
+# Counts, summed over the rounds rather than a median: hits whose greedy token differs from the
+# recompute's, resets vLLM refused at first, LMCache's "degraded mode" entries in the engine's log.
+SUMMED = ("wrong_tokens", "reset_failures", "degraded")
 
 
 def plan(ttft_prompts: Sequence[list[int]], nohit_sets: Sequence[Sequence[list[int]]], warm: list[int],
@@ -34,14 +37,21 @@ def plan(ttft_prompts: Sequence[list[int]], nohit_sets: Sequence[Sequence[list[i
 
 
 def samples(report: dict, tags: Sequence[str]) -> dict[str, list[float]]:
-    """Per tag: wall times in ms (TTFT kinds), the offload hit's cached tokens, no-hit output tokens/s."""
+    """Per tag: wall times in ms (TTFT kinds), the offload hit's cached tokens, no-hit output tokens/s,
+    and per round how many of its two hits gave another first token than its recompute."""
     gens = [s for s in report["steps"] if "outputs" in s]
     if len(gens) != len(tags):
         raise ValueError(f"the engine reported {len(gens)} generate steps, the script has {len(tags)}")
-    out: dict[str, list[float]] = {k: [] for k in (*TTFT_KINDS, "offload_cached", "nohit_tok_s")}
+    out: dict[str, list[float]] = {k: [] for k in (*TTFT_KINDS, "offload_cached", "nohit_tok_s", "wrong_tokens")}
+    out["reset_failures"] = [report["steps"][0].get("reset_failures", 0)]
+    first: list[int] = []
     for tag, step in zip(tags, gens, strict=True):
         if tag in TTFT_KINDS:
             out[tag].append(1000 * step["wall_s"])
+            if tag == "recompute":
+                first = step["outputs"][0]["tokens"]
+            else:
+                out["wrong_tokens"].append(int(step["outputs"][0]["tokens"] != first))
             if tag == "offload":
                 out["offload_cached"].append(step["outputs"][0]["cached"])
         elif tag == "nohit":
@@ -58,7 +68,7 @@ def summarise(per_engine: dict[str, dict[str, list[float]]]) -> dict[str, dict[s
     """Medians per engine; ``nohit_ratio`` is each engine's median tok/s over the no-connector one's."""
     med: dict[str, dict[str, float | int | None]] = {}
     for eng, s in per_engine.items():
-        med[eng] = {k: (statistics.median(v) if v else None) for k, v in s.items()}
+        med[eng] = {k: (sum(v) if k in SUMMED else statistics.median(v) if v else None) for k, v in s.items()}
         med[eng]["rounds"] = min((len(s[k]) for k in (*TTFT_KINDS, "nohit_tok_s") if s.get(k)), default=0)
     base = med.get("none", {}).get("nohit_tok_s")
     for m in med.values():
@@ -94,6 +104,7 @@ def rows(summary: dict[str, dict], tp: int) -> list[list[str]]:
         [t, "no hits: output tok/s", *cells(lambda m: _fmt(m.get("nohit_tok_s"), lambda v: f"{v:.0f}"))],
         [t, "no hits: ratio to no connector", *cells(lambda m: _fmt(m.get("nohit_ratio"), lambda v: f"{v:.3f}"))],
         [t, "rounds (median of)", *cells(lambda m: str(m.get("rounds", 0)))],
+        [t, "hits with another first token", *cells(lambda m: str(m.get("wrong_tokens") or 0))],
     ]  # fmt: skip
 
 

@@ -17,9 +17,10 @@ from peer_procs import ShmSweep, group, run_engine  # noqa: E402
 from peer_stats import ENGINES, order, plan, rows, samples, summarise, table  # noqa: E402
 
 
-def fake_report(steps: list[dict], wall: dict[str, float], cached: int) -> dict:
-    """What peer_engine.py would print for ``steps``: one entry per generate, walls chosen per kind."""
-    out: list[dict] = [{"start_s": 1.0}]
+def fake_report(steps: list[dict], wall: dict[str, float], cached: int, token: dict | None = None) -> dict:
+    """What peer_engine.py would print for ``steps``: one entry per generate, walls (and first tokens) per kind."""
+    token = token or {}
+    out: list[dict] = [{"start_s": 1.0, "reset_failures": 2}]
     seen: dict[str, int] = {}
     for s in steps:
         if "generate" not in s:
@@ -32,7 +33,8 @@ def fake_report(steps: list[dict], wall: dict[str, float], cached: int) -> dict:
         k = seen.get(p, 0)  # the first, second and third run of one prompt
         seen[p] = k + 1
         kind = ("warm", "recompute", "offload", "gpu")[0 if len(p) == 4 else 1 + k]
-        out.append({"outputs": [{"tokens": [5], "cached": cached if kind == "offload" else 0}], "wall_s": wall[kind]})
+        res = {"tokens": [token.get(kind, 5)], "cached": cached if kind == "offload" else 0}
+        out.append({"outputs": [res], "wall_s": wall[kind]})
     return {"steps": out}
 
 
@@ -51,6 +53,10 @@ def test_plan_is_read_back_by_tag_not_position():
     assert s["recompute"] == [500.0, 500.0] and s["offload"] == [40.0, 40.0] and s["gpu"] == [30.0, 30.0]
     assert s["offload_cached"] == [959, 959]
     assert s["nohit_tok_s"] == [4 * 32 / 2.0] * 2  # output tokens over the batch's wall time
+    assert s["wrong_tokens"] == [0, 0, 0, 0] and s["reset_failures"] == [2]
+    # an offload hit that serves the wrong KV shows as another greedy token than the recompute's
+    s = samples(fake_report(steps, wall, cached=959, token={"offload": 7}), tags)
+    assert s["wrong_tokens"] == [1, 0, 1, 0] and summarise({"lmcache": s})["lmcache"]["wrong_tokens"] == 2
     with pytest.raises(ValueError, match="3 generate steps, the script has 9"):
         samples({"steps": fake_report(steps, wall, 0)["steps"][:4]}, tags)
 
