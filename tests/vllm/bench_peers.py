@@ -66,7 +66,7 @@ def bench_tp(tp: int, bind: str, model: str, args: argparse.Namespace, tmp: Path
     steps, tags = plan(ttft, nohit, warm=tokens(699, 64))
     per: dict[str, dict[str, list[float]]] = {e: {} for e in ENGINES}
     runs: list[dict] = []
-    with LMCacheServer(sys.executable, args.logs / f"lmcache-server-tp{tp}.log") as server:
+    with LMCacheServer(sys.executable, args.logs / f"lmcache-server-tp{tp}.log", workers=tp) as server:
         rss0 = server.rss_mib()
         for p in range(args.passes):
             for eng in order(p, args.engines):

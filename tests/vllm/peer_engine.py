@@ -70,7 +70,7 @@ def run(spec: dict) -> list:
     return report
 
 
-def reset(llm, limit_s: float = 10.0) -> int:
+def reset(llm, limit_s: float = 120.0) -> int:
     """``reset_prefix_cache()`` until it succeeds (it refuses while blocks are held, e.g. by a connector's
     delayed free), so an offload hit is never vLLM's own; how many times it refused."""
     failures, t0 = 0, time.monotonic()

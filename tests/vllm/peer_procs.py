@@ -139,19 +139,24 @@ def rss_mib(pid: int) -> float | None:
 class LMCacheServer:
     """LMCache's multi-process server (ZMQ for the connector, HTTP for control), chunk 32, DRAM L1 only."""
 
-    def __init__(self, python: str, log: Path, chunk: int = 32, l1_gb: int = 1) -> None:
+    def __init__(self, python: str, log: Path, chunk: int = 32, l1_gb: int = 1, workers: int = 1) -> None:
+        # ``workers``: one store/retrieve thread per TP rank. With the default single thread, a TP=2
+        # engine's two ranks share it and each rank's store waits there behind the other's (stores
+        # of tens of seconds, pings unanswered, the connector "degraded"; LMCache warns of it).
         self.port, self.http_port = free_port(), free_port()
         self.cmd = [python, "-m", "lmcache.v1.multiprocess.http_server", "--host", "localhost",
                     "--port", str(self.port), "--http-host", "127.0.0.1", "--http-port", str(self.http_port),
                     "--chunk-size", str(chunk), "--disable-observability", "--eviction-policy", "LRU",
                     "--l1-size-gb", str(l1_gb), "--l1-init-size-gb", str(l1_gb),
-                    "--worker-reap-timeout-seconds", "600"]  # fmt: skip
+                    "--worker-reap-timeout-seconds", "600", "--max-workers", str(workers)]  # fmt: skip
         self.log = log
         self._cm = None
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> LMCacheServer:
-        env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1"}
+        # One OpenMP thread: the engine's ranks already spin on every core the binding gives them, and
+        # an OpenMP team whose threads wait for a core stalls the server's copies.
+        env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1", "OMP_NUM_THREADS": "1"}
         self._log_f = open(self.log, "ab")  # noqa: SIM115  (closed in __exit__)
         self._cm = group(self.cmd, stdout=self._log_f, stderr=subprocess.STDOUT, env=env)
         self.proc = self._cm.__enter__()

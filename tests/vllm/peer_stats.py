@@ -54,6 +54,8 @@ def samples(report: dict, tags: Sequence[str]) -> dict[str, list[float]]:
                 out["wrong_tokens"].append(int(step["outputs"][0]["tokens"] != first))
             if tag == "offload":
                 out["offload_cached"].append(step["outputs"][0]["cached"])
+        elif tag == "warm":  # the engine's first step: kernels built, and LMCache's first registration
+            out["warm_ms"] = [1000 * step["wall_s"]]
         elif tag == "nohit":
             out["nohit_tok_s"].append(sum(len(o["tokens"]) for o in step["outputs"]) / step["wall_s"])
     return out
