@@ -60,14 +60,17 @@ def one(spec: dict, tmp: Path, timeout_s: float, log: Path) -> dict:
     return run_engine(cmd, timeout_s, cwd=tmp, env=env, log=log)
 
 
-def bench_tp(tp: int, bind: str, model: str, args: argparse.Namespace, tmp: Path, sweep: ShmSweep) -> dict:
+def bench_tp(tp: int, bind: str, model: str, args: argparse.Namespace, tmp: Path, sweep: ShmSweep,
+             out: dict) -> None:
+    """Fills ``out`` as it goes (summary, every run), so an interrupted bench still reports what it has."""
     ttft = [tokens(700 + r, TTFT_TOKENS) for r in range(args.rounds)]
     nohit = [[tokens(5000 + 100 * r + i, NOHIT_TOKENS) for i in range(NOHIT_PROMPTS)] for r in range(args.rounds)]
     steps, tags = plan(ttft, nohit, warm=tokens(699, 64))
     per: dict[str, dict[str, list[float]]] = {e: {} for e in ENGINES}
     runs: list[dict] = []
+    out.update(bind=bind, runs=runs, summary={})
     with LMCacheServer(sys.executable, args.logs / f"lmcache-server-tp{tp}.log", workers=tp) as server:
-        rss0 = server.rss_mib()
+        out["lmcache_server_rss_mib"] = [server.rss_mib()]
         for p in range(args.passes):
             for eng in order(p, args.engines):
                 if eng == "lmcache":
@@ -92,9 +95,8 @@ def bench_tp(tp: int, bind: str, model: str, args: argparse.Namespace, tmp: Path
                       f"(cached {s['offload_cached']}) gpu {ms['gpu']} ms; no-hit tok/s "
                       f"{[round(x) for x in s['nohit_tok_s']]}; wrong tokens {sum(s['wrong_tokens'])}, "
                       f"refused resets {s['reset_failures'][0]}, degraded {s['degraded'][0]}", flush=True)  # fmt: skip
-        rss1 = server.rss_mib()
-    return {"bind": bind, "summary": summarise({e: v for e, v in per.items() if v}), "runs": runs,
-            "lmcache_server_rss_mib": [rss0, rss1]}  # fmt: skip
+                out["summary"] = summarise({e: v for e, v in per.items() if v})
+                out["lmcache_server_rss_mib"].append(server.rss_mib())
 
 
 def main() -> None:
@@ -116,26 +118,25 @@ def main() -> None:
             "nohit": f"{NOHIT_PROMPTS} x {NOHIT_TOKENS} tokens, 32 out", "cpus": os.cpu_count()}  # fmt: skip
     print(f"peers bench, {meta['date']}; {load}", flush=True)
     results: dict = {"meta": meta}
-    all_rows: list[list[str]] = []
     sweep = ShmSweep()
     with tempfile.TemporaryDirectory(prefix="tkv-peers-") as d:
         tmp = Path(d)
         model = str(make_tiny_llama(tmp / "llama-1024x8", hidden=1024, layers=8))
         try:
             for tp in args.tp:
-                res = bench_tp(tp, BINDS.get(tp, "|".join(map(str, range(tp)))), model, args, tmp, sweep)
-                results[f"tp{tp}"] = res
-                all_rows += rows(res["summary"], tp)
+                results[f"tp{tp}"] = {}
+                bench_tp(tp, BINDS.get(tp, "|".join(map(str, range(tp)))), model, args, tmp, sweep, results[f"tp{tp}"])
         finally:
+            all_rows = [r for tp in args.tp if results.get(f"tp{tp}") for r in rows(results[f"tp{tp}"]["summary"], tp)]
             sweep.sweep()  # the server is gone now: what it still mapped goes too
             meta["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
             meta["shm_removed"] = sweep.removed
             if args.json:
                 args.json.parent.mkdir(parents=True, exist_ok=True)
                 args.json.write_text(json.dumps(results, indent=1))
-    n = args.passes * args.rounds
-    Console(width=120).print(table(all_rows, f"TTFT ({TTFT_TOKENS}-token prompt) and no-hit throughput, medians of {n}"))
-    print(f"{meta['uptime_after']}; /dev/shm entries removed: {len(sweep.removed)}")
+            title = f"TTFT ({TTFT_TOKENS}-token prompt) and no-hit throughput, medians"
+            Console(width=120).print(table(all_rows, title))
+            print(f"{meta['uptime_after']}; /dev/shm entries removed: {len(sweep.removed)}")
 
 
 if __name__ == "__main__":
