@@ -18,7 +18,8 @@ TTFT_KINDS = ("recompute", "offload", "gpu")
 STORE_SETTLE_S = 1.0  # between a prompt's first run and the reset: the connectors' stores land
 # Counts, summed over the rounds rather than a median: hits whose greedy token differs from the
 # recompute's, resets vLLM refused at first, LMCache's "degraded mode" entries in the engine's log.
-SUMMED = ("wrong_tokens", "reset_failures", "degraded")
+# "unreset": offload hits not counted, vLLM having refused the reset before them (its blocks still held).
+SUMMED = ("wrong_tokens", "reset_failures", "degraded", "unreset")
 
 
 def plan(ttft_prompts: Sequence[list[int]], nohit_sets: Sequence[Sequence[list[int]]], warm: list[int],
@@ -44,8 +45,12 @@ def samples(report: dict, tags: Sequence[str]) -> dict[str, list[float]]:
         raise ValueError(f"the engine reported {len(gens)} generate steps, the script has {len(tags)}")
     out: dict[str, list[float]] = {k: [] for k in (*TTFT_KINDS, "offload_cached", "nohit_tok_s", "wrong_tokens")}
     out["reset_failures"] = [report["steps"][0].get("reset_failures", 0)]
+    out["unreset"] = []
     first: list[int] = []
     for tag, step in zip(tags, gens, strict=True):
+        if tag == "offload" and step.get("after_failed_reset"):
+            out["unreset"].append(1)
+            continue
         if tag in TTFT_KINDS:
             out[tag].append(1000 * step["wall_s"])
             if tag == "recompute":
@@ -107,6 +112,7 @@ def rows(summary: dict[str, dict], tp: int) -> list[list[str]]:
         [t, "no hits: ratio to no connector", *cells(lambda m: _fmt(m.get("nohit_ratio"), lambda v: f"{v:.3f}"))],
         [t, "rounds (median of)", *cells(lambda m: str(m.get("rounds", 0)))],
         [t, "hits with another first token", *cells(lambda m: str(m.get("wrong_tokens") or 0))],
+        [t, "offload hits dropped (reset refused 60 s)", *cells(lambda m: str(m.get("unreset") or 0))],
     ]  # fmt: skip
 
 

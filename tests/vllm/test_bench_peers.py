@@ -57,6 +57,13 @@ def test_plan_is_read_back_by_tag_not_position():
     # an offload hit that serves the wrong KV shows as another greedy token than the recompute's
     s = samples(fake_report(steps, wall, cached=959, token={"offload": 7}), tags)
     assert s["wrong_tokens"] == [1, 0, 1, 0] and summarise({"lmcache": s})["lmcache"]["wrong_tokens"] == 2
+    # a hit measured after a reset vLLM refused may be vLLM's own: not counted, but counted as dropped
+    report = fake_report(steps, {**wall, "offload": 0.01}, cached=928)
+    gens = [g for g in report["steps"] if "outputs" in g]
+    gens[tags.index("offload")]["after_failed_reset"] = True
+    s = samples(report, tags)
+    assert s["offload"] == [10.0] and s["offload_cached"] == [928] and s["unreset"] == [1]
+    assert s["wrong_tokens"] == [0, 0, 0]
     with pytest.raises(ValueError, match="3 generate steps, the script has 9"):
         samples({"steps": fake_report(steps, wall, 0)["steps"][:4]}, tags)
 
