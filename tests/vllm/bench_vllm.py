@@ -1,6 +1,6 @@
 """The issue-19 bench: cost of the connector when nothing hits, and TTFT of a long shared prefix.
 
-Not a test (run by hand; ~15 min on 2 cores): ``make bench-vllm`` or
+Not a test (run by hand; ~15 min on 2 cores; `make bench-vllm` runs bench_peers.py instead):
 ``PYTHONPATH=. .venv-vllm/bin/python tests/vllm/bench_vllm.py [--tree DIR] [--runs 3] [--tp 1|2] [nohit|ttft]``.
 ``--tree`` runs another checkout's connector (e.g. the commit before this work) under the same engine
 script, so before and after differ only in tiered_kv. Every engine runs under vLLM's default engine.
