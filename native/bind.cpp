@@ -2,6 +2,7 @@
 #include <pybind11/stl.h>
 
 #include "convert.hpp"
+#include "policy_core.hpp"
 #include "tier.hpp"
 
 using namespace tkv;
@@ -26,17 +27,6 @@ struct KeyIndex {
     KeyTable t;
     KeyIndex(i64 n, int kb, const py::bytes& seeds)
         : t(n, kb, seed_word(seeds, 0), seed_word(seeds, 1), seed_word(seeds, 2)) {}
-};
-
-// A standalone policy over its own lists (the flat simulators use one): tags are given on insert.
-struct PolicyCore {
-    i64 n;
-    Lists lists;
-    std::vector<u64> tags;
-    Policy policy;
-    PolicyCore(int kind, i64 n_, u64 mult, double start, double low, double high)
-        : n(n_), lists(n_), tags(static_cast<size_t>(n_), 0),
-          policy(kind_of(kind), n_, lists, tags.data(), mult, start, low, high) {}
 };
 
 py::array_t<i64> find_all(const KeyTable& t, const KeyArgs& k) {
@@ -108,6 +98,7 @@ PYBIND11_MODULE(_core, m) {
     m.attr("RESERVED") = RESERVED;
     m.attr("READY") = READY;
     m.attr("WINDOW_GHOSTS") = py::make_tuple(WINDOW_GHOSTS[0], WINDOW_GHOSTS[1]);
+    m.attr("MAX_SLOTS") = MAX_SLOTS;
     m.attr("GHOST_BYTES") = 25;  // per ghost at the bound (lists.hpp)
     m.def("leading_run", [](const Tier& cpu, const Tier* disk, py::handle keys) {
         KeyArgs k = key_args(keys, cpu.keys().key_bytes());
@@ -120,7 +111,7 @@ PYBIND11_MODULE(_core, m) {
     py::class_<Tier>(m, "Tier")
         .def(py::init([](const std::string& name, i64 n, int kb, int kind, const py::bytes& seeds, double start,
                          double low, double high) {
-            if (n <= 0 || n >= (i64(1) << 31) - 8) raise(Err::Tier, "tier " + name + " needs 1 .. 2^31 - 9 slots, got " + S(n));
+            if (n <= 0 || n > MAX_SLOTS) raise(Err::Tier, "tier " + name + " needs 1 .. " + S(MAX_SLOTS) + " slots (MAX_SLOTS), got " + S(n));
             if (kb < 1) raise(Err::Tier, "key_bytes must be >= 1, got " + S(kb));
             u64 w[4] = {seed_word(seeds, 0), seed_word(seeds, 1), seed_word(seeds, 2), seed_word(seeds, 3)};
             return new Tier(name, n, kb, kind_of(kind), w, start, low, high);
@@ -140,16 +131,16 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("ghost_nbytes", [](const Tier& t) { return t.policy().nbytes(); })
         .def("state_view", [](py::object self) {
             Tier& t = self.cast<Tier&>();
-            return py::array(py::dtype::of<u8>(), {t.num_slots()}, t.state_data(), self);
+            return readonly_view(py::dtype::of<u8>(), {t.num_slots()}, t.state_data(), self);
         })
         .def("pins_view", [](py::object self) {
             Tier& t = self.cast<Tier&>();
-            return py::array(py::dtype::of<u16>(), {t.num_slots()}, t.pins_data(), self);
+            return readonly_view(py::dtype::of<u16>(), {t.num_slots()}, t.pins_data(), self);
         })
         .def("keys_view", [](py::object self) {
             Tier& t = self.cast<Tier&>();
             std::vector<py::ssize_t> shape{t.num_slots(), t.keys().key_bytes()};
-            return py::array(py::dtype::of<u8>(), shape, t.keys().keys_data(), self);
+            return readonly_view(py::dtype::of<u8>(), shape, t.keys().keys_data(), self);
         })
         .def("find", [](const Tier& t, py::handle keys) { return find_all(t.keys(), key_args(keys, t.keys().key_bytes())); })
         .def("find_ready", [](const Tier& t, py::handle keys) {
@@ -252,7 +243,7 @@ PYBIND11_MODULE(_core, m) {
 
     py::class_<KeyIndex>(m, "KeyIndex")
         .def(py::init([](i64 n, int kb, const py::bytes& seeds) {
-            if (n < 1 || n >= (i64(1) << 31) - 8) raise(Err::Tier, "KeyTable num_slots must be an int in [1, 2^31 - 9], got " + S(n));
+            if (n < 1 || n > MAX_SLOTS) raise(Err::Tier, "KeyTable num_slots must be an int in [1, " + S(MAX_SLOTS) + "] (MAX_SLOTS), got " + S(n));
             if (kb < 1) raise(Err::Tier, "KeyTable key_bytes must be an int >= 1, got " + S(kb));
             return new KeyIndex(n, kb, seeds);
         }))
@@ -263,7 +254,7 @@ PYBIND11_MODULE(_core, m) {
         .def("keys_view", [](py::object self) {
             KeyIndex& k = self.cast<KeyIndex&>();
             std::vector<py::ssize_t> shape{k.t.num_slots(), k.t.key_bytes()};
-            return py::array(py::dtype::of<u8>(), shape, k.t.keys_data(), self);
+            return readonly_view(py::dtype::of<u8>(), shape, k.t.keys_data(), self);
         })
         .def("find", [](const KeyIndex& k, py::handle keys) { return find_all(k.t, key_args(keys, k.t.key_bytes())); })
         .def("leading_run", [](const KeyIndex& k, py::handle keys) {
@@ -317,8 +308,8 @@ PYBIND11_MODULE(_core, m) {
 
     py::class_<PolicyCore>(m, "PolicyCore")
         .def(py::init([](int kind, i64 n, u64 mult, double start, double low, double high) {
-            if (n < 0 || n >= (i64(1) << 31) - 8) raise(Err::Slot, "num_slots must be an int in 0..2^31 - 9, got " + S(n));
-            return new PolicyCore(kind, n, mult, start, low, high);
+            if (n < 0 || n > MAX_SLOTS) raise(Err::Slot, "num_slots must be an int in 0.." + S(MAX_SLOTS) + " (MAX_SLOTS), got " + S(n));
+            return new PolicyCore(kind_of(kind), n, mult, start, low, high);
         }))
         .def_property_readonly("num_slots", [](const PolicyCore& c) { return c.n; })
         .def_property_readonly("name", [](const PolicyCore& c) { return std::string(kind_name(c.policy.kind())); })
