@@ -12,7 +12,7 @@ namespace tkv {
 
 // The Python exception classes of tiered_kv.errors, by Err kind (set once by _core.set_errors).
 inline py::object& error_class(Err kind) {
-    static py::object classes[3];
+    static py::object classes[5];
     return classes[static_cast<int>(kind)];
 }
 
