@@ -26,6 +26,9 @@ DIRECTIONS = {("gpu", "cpu"): "gpu_to_cpu", ("cpu", "gpu"): "cpu_to_gpu",
 # A handler runs one job and returns a per-block ok mask; it raises only for a fault that
 # hit the whole batch, and only once nothing of the batch can still be in flight.
 Handler = Callable[[Any], Awaitable[np.ndarray]]
+# An inline handler runs one job on the calling thread and returns True once it has landed, or
+# returns False having done nothing (the job must go through ``run``); it raises as a handler does.
+InlineHandler = Callable[[Any], bool]
 
 
 @dataclass
@@ -52,11 +55,30 @@ class Mover:
         self._metrics = metrics
         self._bpb = bytes_per_block
         self._handlers: dict[tuple[str, str], Handler] = {}
+        self._inline: dict[tuple[str, str], InlineHandler] = {}
 
     def register(self, src: str, dst: str, handler: Handler) -> None:
         if src not in MEDIA or dst not in MEDIA or src == dst:
             raise TransferError(f"cannot register a handler for {src!r} -> {dst!r}; media are {MEDIA}")
         self._handlers[(src, dst)] = handler
+
+    def register_inline(self, src: str, dst: str, handler: InlineHandler) -> None:
+        if (src, dst) not in DIRECTIONS:
+            raise TransferError(f"cannot register an inline handler for {src!r} -> {dst!r}")
+        self._inline[(src, dst)] = handler
+
+    def run_inline(self, src: str, dst: str, job: Any) -> bool:
+        """Run ``job`` now, on this thread, when an inline handler takes it and the budget admits it
+        at once (its bytes are in flight only within this call); False, having done nothing, otherwise."""
+        handler = self._inline.get((src, dst))
+        n = len(job)
+        if handler is None or not self._budget.admits_now(n * self._bpb):
+            return False
+        t0 = time.perf_counter()
+        if not handler(job):
+            return False
+        self._metrics.moved(DIRECTIONS[(src, dst)], n, n * self._bpb, time.perf_counter() - t0)
+        return True
 
     def handles(self, src: str, dst: str) -> bool:
         return (src, dst) in self._handlers
