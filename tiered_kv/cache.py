@@ -35,7 +35,7 @@ from .manager import LookupResult, TierManager
 from .manager.loading import key_rows
 from .metrics import CacheMetrics
 from .mover import DiskIO, Mover, load_handler, store_handler
-from .mover.gpu_cpu import inline_handler
+from .mover.gpu_cpu import inline_handler, threaded_starter
 from .moves import Moves, StoreResult, _Op
 from .tiers.cpu import CpuSlabs
 from .transfer import CopyEngine, make_engine
@@ -125,9 +125,11 @@ class TieredKVCache(Moves, Lifecycle):
         self.mover.register("gpu", "cpu", store_handler(engine))
         self.mover.register("cpu", "gpu", load_handler(engine))
         for (src, dst), direction in ((("gpu", "cpu"), Direction.STORE), (("cpu", "gpu"), Direction.LOAD)):
-            inline = inline_handler(engine, direction)
+            inline, threaded = inline_handler(engine, direction), threaded_starter(engine, direction)
             if inline is not None:
                 self.mover.register_inline(src, dst, inline)
+            if threaded is not None:
+                self.mover.register_threaded(src, dst, threaded)
         if self._disk_ns is not None:
             self.disk, recovered = await DiskIO.open(cfg.tiers.disk, self._disk_ns, self._slots["disk"],
                                                      self.slabs, self.metrics, self._disk_degraded)  # fmt: skip
@@ -331,6 +333,8 @@ class TieredKVCache(Moves, Lifecycle):
         if after is None:
             result, plan = self._store_now(keys, ids, prefix)
             if result is not None:
+                if not isinstance(result, StoreResult):
+                    result = await result  # the copy on the engine's thread (a cancel waits for it to land)
                 self.metrics.op_latency["store"].observe(time.perf_counter() - t0)
                 return result
             return await self._run(lambda op: self._store_body(op, keys, ids, prefix, plan), "store", compute, t0)
@@ -372,6 +376,8 @@ class TieredKVCache(Moves, Lifecycle):
         if before_copy is None:
             loaded, plan = self._load_now(keys, ids, bool(exclusive))
             if loaded is not None:
+                if not isinstance(loaded, int):
+                    loaded = await loaded  # the copy on the engine's thread (a cancel waits for it to land)
                 self.metrics.op_latency["load"].observe(time.perf_counter() - t0)
                 return loaded
 

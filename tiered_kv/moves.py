@@ -44,8 +44,29 @@ class _Op:
         self.compute: Any = None  # the caller's compute event: every GPU copy of the move waits on it
 
 
+class _Call(asyncio.Future):
+    """The one future of a call whose copy runs on the engine's thread, resolved (on the loop) once the
+    copy has landed and the plan is committed. A caller's cancel cannot cancel it: it marks the call
+    given up (a store then discards what it copied: the caller may reuse its GPU blocks at once), and
+    the caller's task gets CancelledError only once the copy has landed, as the contract says."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop=loop)
+        self.gave_up = False
+
+    def cancel(self, msg: Any = None) -> bool:
+        self.gave_up = True
+        return False
+
+
 class Moves:
     """Store and load bodies (see the module docstring); the facade supplies the state."""
+
+    def _own(self, call: _Call) -> _Call:
+        """aclose waits for the call as for a task the cache owns."""
+        self._tasks.add(call)
+        call.add_done_callback(self._task_done)
+        return call
 
     async def _store_after(self, op: _Op, after: Awaitable[Any], keys: list[bytes], ids: np.ndarray,
                            prefix: list[bytes]) -> StoreResult:  # fmt: skip
@@ -73,10 +94,11 @@ class Moves:
             self._progress.set_result(None)
 
     # -- store --------------------------------------------------------------------------
-    def _store_now(self, keys: list[bytes], ids: np.ndarray, prefix: list[bytes]) -> tuple[StoreResult | None, StorePlan]:
-        """Plan; when nothing must wait (no spill, no room to wait for, a copy that runs inline),
-        copy and commit at once, with no suspension point: (result, plan). Else (None, plan) for
-        ``_store_body``, which executes the plan."""
+    def _store_now(self, keys: list[bytes], ids: np.ndarray,
+                   prefix: list[bytes]) -> tuple[StoreResult | _Call | None, StorePlan]:  # fmt: skip
+        """Plan; when nothing must wait but the copy (no spill, no room to wait for), copy and commit
+        at once if the copy runs inline, with no suspension point: (result, plan); or start it on the
+        engine's thread: (its call, plan). Else (None, plan) for ``_store_body``, which executes the plan."""
         m = self.manager
         plan = m.prepare_store(keys, ids, prefix)
         if plan.spill is not None or plan.remote_spill is not None:
@@ -84,15 +106,31 @@ class Moves:
         if plan.unplaced and not len(plan.cpu_slots) and (m.cpu.n_reserved or m.cpu.n_ready_pinned):
             return None, plan  # room may come free: the body waits for it
         if len(plan.cpu_slots):
+            job = CopyJob(plan.gpu_ids, plan.cpu_slots)
             try:
-                done = self.mover.run_inline("gpu", "cpu", CopyJob(plan.gpu_ids, plan.cpu_slots))
+                if not self.mover.run_inline("gpu", "cpu", job):
+                    return self._threaded_store(len(keys), plan, job), plan
             except BaseException:
                 self._finish_store(plan, False)
                 raise
-            if not done:
-                return None, plan
         stored = self._finish_store(plan, True)
         return self._store_result(len(keys), stored, plan.deduped, plan.in_flight), plan
+
+    def _threaded_store(self, n_keys: int, plan: StorePlan, job: CopyJob) -> _Call | None:
+        call = _Call(asyncio.get_running_loop())
+
+        def landed(error: BaseException | None) -> None:
+            try:
+                stored = self._finish_store(plan, error is None and not call.gave_up)
+            except BaseException as exc:
+                call.set_exception(exc)
+                return
+            if error is not None:
+                call.set_exception(error)
+            else:
+                call.set_result(self._store_result(n_keys, stored, plan.deduped, plan.in_flight))
+
+        return self._own(call) if self.mover.start_threaded("gpu", "cpu", job, call, landed) else None
 
     def _store_result(self, n: int, stored: int, deduped: int, in_flight: int) -> StoreResult:
         skipped = n - stored - deduped - in_flight
@@ -190,10 +228,12 @@ class Moves:
             self._progressed()
 
     # -- load ---------------------------------------------------------------------------
-    def _load_now(self, keys: list[bytes], ids: np.ndarray, exclusive: bool) -> tuple[int | None, LoadPlan | None]:
-        """Plan; when nothing must wait (CPU hits only, the run ends in this chunk, a copy that runs
-        inline), copy and complete at once, with no suspension point: (loaded, plan). Else
-        (None, plan) for ``_load_body``; (None, None) for an exclusive load through staging."""
+    def _load_now(self, keys: list[bytes], ids: np.ndarray,
+                  exclusive: bool) -> tuple[int | _Call | None, LoadPlan | None]:  # fmt: skip
+        """Plan; when nothing must wait but the copy (CPU hits only, the run ends in this chunk), copy
+        and complete at once if the copy runs inline, with no suspension point: (loaded, plan); or start
+        it on the engine's thread: (its call, plan). Else (None, plan) for ``_load_body``; (None, None)
+        for an exclusive load through staging."""
         m = self.manager
         if exclusive and m.staging is not None:
             return None, None
@@ -208,17 +248,33 @@ class Moves:
             return (None, plan) if plan.stop == "in_flight" or (plan.stop == "room" and busy) else (0, plan)
         if plan.stop not in ("", "miss"):
             return None, plan  # more chunks follow, and may wait
+        job = CopyJob(plan.cpu_slots, ids[:n])
         try:
-            done = self.mover.run_inline("cpu", "gpu", CopyJob(plan.cpu_slots, ids[:n]))
+            if not self.mover.run_inline("cpu", "gpu", job):
+                return self._threaded_load(plan, job), plan
         except BaseException:
             m.complete_load(plan, 0)
             self._progressed()
             raise
-        if not done:
-            return None, plan
         m.complete_load(plan, n)
         self._progressed()
         return n, plan
+
+    def _threaded_load(self, plan: LoadPlan, job: CopyJob) -> _Call | None:
+        call = _Call(asyncio.get_running_loop())
+
+        def landed(error: BaseException | None) -> None:
+            n = len(job) if error is None else 0
+            try:
+                self.manager.complete_load(plan, n)
+            except BaseException as exc:
+                call.set_exception(exc)
+                return
+            finally:
+                self._progressed()
+            call.set_exception(error) if error is not None else call.set_result(n)
+
+        return self._own(call) if self.mover.start_threaded("cpu", "gpu", job, call, landed) else None
 
     async def _load_body(self, op: _Op, keys: list[bytes], ids: np.ndarray, exclusive: bool,
                          plan: LoadPlan | None = None) -> int:  # fmt: skip

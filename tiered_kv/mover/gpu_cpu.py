@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..transfer.base import CopyEngine, Direction
-from .mover import CopyJob, InlineHandler
+from .mover import CopyJob, InlineHandler, ThreadedStarter
 
 
 def store_handler(engine: CopyEngine):
@@ -37,5 +37,17 @@ def inline_handler(engine: CopyEngine, direction: Direction) -> InlineHandler | 
 
     def run(job: CopyJob) -> bool:
         return copy(direction, job.src_ids, job.dst_ids)
+
+    return run
+
+
+def threaded_starter(engine: CopyEngine, direction: Direction) -> ThreadedStarter | None:
+    """The engine's one-hand-off threaded copy (``copy_threaded``: host engines only), or None."""
+    start = getattr(engine, "copy_threaded", None)
+    if start is None:
+        return None
+
+    def run(job: CopyJob, token, done) -> None:
+        start(direction, job.src_ids, job.dst_ids, token, done)
 
     return run

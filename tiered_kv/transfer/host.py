@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -85,6 +85,41 @@ class HostCopyEngine(CopyEngine):
         if error is not None:
             raise error
         return True
+
+    def copy_threaded(self, direction: Direction, src: np.ndarray, dst: np.ndarray, token: asyncio.Future,
+                      done: Callable[[BaseException | None], None]) -> None:  # fmt: skip
+        """Start the copy on the direction's worker (in order after the batches before it); once every
+        byte has landed, ``done(error)`` runs on the loop: one hand-off, one wake-up, and no future of the
+        engine's. ``token`` (the caller's future) counts as in flight until then, so ``aclose`` drains it."""
+        if self._closed:
+            raise TransferError(f"copy_threaded on a closed {type(self).__name__}")
+        loop = asyncio.get_running_loop()
+        job = (self._rows.copy, 0 if direction is Direction.STORE else 1, src, dst)
+        self._pending.add(token)
+        self._queued[direction] += 1
+        try:
+            self._executors[direction].submit(self._threaded_direct, job, direction, len(src), loop, token, done)
+        except BaseException:
+            self._queued[direction] -= 1
+            self._pending.discard(token)
+            raise
+
+    def _threaded_direct(self, job: tuple, direction: Direction, count: int, loop: asyncio.AbstractEventLoop,
+                         token: asyncio.Future, done: Callable[[BaseException | None], None]) -> None:  # fmt: skip
+        error = _run(job, direction, count)
+        try:
+            loop.call_soon_threadsafe(self._landed, direction, token, done, error)
+        except RuntimeError:  # the loop closed under us: nobody is left to tell but the log
+            log.error("event loop closed before a %s batch could be reported (error=%r)", direction.value, error)
+
+    def _landed(self, direction: Direction, token: asyncio.Future, done, error: BaseException | None) -> None:
+        self._queued[direction] -= 1
+        try:
+            done(error)
+        finally:
+            self._pending.discard(token)
+            if not self._pending and self._idle is not None and not self._idle.done():
+                self._idle.set_result(None)
 
     def _threaded(self, job: tuple, handle: CopyHandle, loop: asyncio.AbstractEventLoop) -> None:
         """Worker-thread body: copy, then report to the loop. Never raises."""
