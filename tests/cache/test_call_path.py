@@ -4,9 +4,12 @@ one that must wait (a threaded copy, a spill) still goes through the task and it
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 from cache_helpers import cache_for, config, fill, holds, make_kv
+
+from tiered_kv.transfer import Direction
 
 
 def run_without_suspending(coro):
@@ -71,4 +74,27 @@ async def test_a_store_that_spills_still_waits_for_the_spill(device, tmp_path):
         assert not fut.done()
         assert (await fut).stored == 4
         assert cache.lookup(keys).total == 8  # the spilled blocks are on disk, the new ones in the CPU tier
+        cache.check_invariants()
+
+
+async def test_a_cancelled_threaded_store_waits_for_its_copy_then_discards_it(device):
+    if device != "cpu":
+        pytest.skip("host engine only")
+    kv = make_kv(64)
+    async with cache_for(kv, config(cpu_blocks=8)) as cache:
+        cache._engine.inline_bytes = 0
+        gate = threading.Event()
+        cache._engine._executors[Direction.STORE].submit(gate.wait, 10)  # the copy queues behind it
+        keys = cache.keyer.keys_for_block_ids(range(4))
+        store = asyncio.ensure_future(cache.store(keys, [0, 1, 2, 3]))
+        await asyncio.sleep(0)
+        store.cancel()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not store.done() and cache.manager.cpu.n_reserved == 4  # the caller still waits for its copy
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await store
+        assert cache.manager.cpu.n_reserved == 0 and cache.lookup(keys).total == 0  # discarded
+        assert not cache._tasks and cache._budget.used == 0
         cache.check_invariants()
