@@ -16,21 +16,25 @@ struct Region {
 
 inline void copy_rows(const std::vector<Region>& from, const std::vector<Region>& to, const i64* src,
                       const i64* dst, i64 n) {
-    i64 a = 0;
-    while (a < n) {
-        i64 b = a + 1;
-        while (b < n && src[b] == src[b - 1] + 1 && dst[b] == dst[b - 1] + 1) ++b;
-        for (size_t r = 0; r < from.size(); ++r) {
-            const Region &f = from[r], &t = to[r];
+    // Runs consecutive on both sides first, then region by region (as a per-region gather does:
+    // measured faster than row by row across the regions for scattered destination rows).
+    std::vector<i64> cuts{0};
+    for (i64 i = 1; i < n; ++i)
+        if (src[i] != src[i - 1] + 1 || dst[i] != dst[i - 1] + 1) cuts.push_back(i);
+    cuts.push_back(n);
+    for (size_t r = 0; r < from.size(); ++r) {
+        const Region &f = from[r], &t = to[r];
+        const bool dense = f.stride == f.width && t.stride == t.width;
+        for (size_t c = 0; c + 1 < cuts.size(); ++c) {
+            const i64 a = cuts[c], b = cuts[c + 1];
             const u8* s = f.base + src[a] * f.stride;
             u8* d = t.base + dst[a] * t.stride;
-            if (f.stride == f.width && t.stride == t.width) {
+            if (dense) {
                 std::memcpy(d, s, static_cast<size_t>((b - a) * f.width));
             } else {
                 for (i64 i = 0; i < b - a; ++i) std::memcpy(d + i * t.stride, s + i * f.stride, static_cast<size_t>(f.width));
             }
         }
-        a = b;
     }
 }
 
