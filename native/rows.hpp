@@ -16,6 +16,7 @@ struct Region {
 
 inline void copy_rows(const std::vector<Region>& from, const std::vector<Region>& to, const i64* src,
                       const i64* dst, i64 n) {
+    if (n <= 0) return;  // an empty batch may come with null id pointers
     // Runs consecutive on both sides first, then region by region (as a per-region gather does:
     // measured faster than row by row across the regions for scattered destination rows).
     std::vector<i64> cuts{0};

@@ -47,6 +47,8 @@ def test_row_copies_check_their_ids_before_copying():
         with pytest.raises(TransferError, match=msg):
             rows.copy(0, np.array(s), np.array(d))
     assert not slab.any()
+    rows.copy(0, np.array([], dtype=np.int64), np.array([], dtype=np.int64))  # empty: nothing to read
+    rows.copy(0, [], [])
     rows.copy(1, np.array([5]), np.array([9]))  # side 1 -> side 0: the slab's row into block 9
     assert not src[0][9].any()
     with pytest.raises(TransferError, match="writable"):
