@@ -70,7 +70,7 @@ class HostCopyEngine(CopyEngine):
         job = (self._rows.copy, 0 if direction is Direction.STORE else 1, src, dst)
         if handle.nbytes <= self.inline_bytes and self._queued[direction] == 0:
             error = _run(job, handle.direction, len(src))
-            loop.call_soon(self._resolve, handle.future, error)
+            loop.call_soon(self._finish, handle, error)
             return
         self._queued[direction] += 1
         self._executors[direction].submit(self._threaded, job, handle, loop)
@@ -90,34 +90,28 @@ class HostCopyEngine(CopyEngine):
                       done: Callable[[BaseException | None], None]) -> None:  # fmt: skip
         """Start the copy on the direction's worker (in order after the batches before it); once every
         byte has landed, ``done(error)`` runs on the loop: one hand-off, one wake-up, and no future of the
-        engine's. ``token`` (the caller's future) counts as in flight until then, so ``aclose`` drains it."""
+        engine's. ``token`` (the caller's future) counts as in flight until then, so ``aclose`` drains it.
+        Call it only when ``copy_inline`` declined (it goes through ``_launch``, which then threads)."""
         if self._closed:
             raise TransferError(f"copy_threaded on a closed {type(self).__name__}")
-        loop = asyncio.get_running_loop()
-        job = (self._rows.copy, 0 if direction is Direction.STORE else 1, src, dst)
+        handle = _DirectHandle(token, len(src) * self.bytes_per_block, direction)
+        handle.done = done
         self._pending.add(token)
-        self._queued[direction] += 1
         try:
-            self._executors[direction].submit(self._threaded_direct, job, direction, len(src), loop, token, done)
+            self._launch(direction, src, dst, handle, asyncio.get_running_loop(), None)
         except BaseException:
-            self._queued[direction] -= 1
             self._pending.discard(token)
             raise
 
-    def _threaded_direct(self, job: tuple, direction: Direction, count: int, loop: asyncio.AbstractEventLoop,
-                         token: asyncio.Future, done: Callable[[BaseException | None], None]) -> None:  # fmt: skip
-        error = _run(job, direction, count)
+    def _finish(self, handle: CopyHandle, error: BaseException | None) -> None:
+        """A batch has landed (on the loop): a direct one calls back, a submitted one resolves its future."""
+        if type(handle) is not _DirectHandle:
+            self._resolve(handle.future, error)
+            return
         try:
-            loop.call_soon_threadsafe(self._landed, direction, token, done, error)
-        except RuntimeError:  # the loop closed under us: nobody is left to tell but the log
-            log.error("event loop closed before a %s batch could be reported (error=%r)", direction.value, error)
-
-    def _landed(self, direction: Direction, token: asyncio.Future, done, error: BaseException | None) -> None:
-        self._queued[direction] -= 1
-        try:
-            done(error)
+            handle.done(error)
         finally:
-            self._pending.discard(token)
+            self._pending.discard(handle.future)
             if not self._pending and self._idle is not None and not self._idle.done():
                 self._idle.set_result(None)
 
@@ -131,13 +125,19 @@ class HostCopyEngine(CopyEngine):
 
     def _resolve_threaded(self, handle: CopyHandle, error: BaseException | None) -> None:
         self._queued[handle.direction] -= 1
-        self._resolve(handle.future, error)
+        self._finish(handle, error)
 
     def _release(self) -> None:
         # Every job has finished (aclose drained them), so the idle workers exit
         # promptly; wait=False keeps the join off the event loop.
         for executor in self._executors.values():
             executor.shutdown(wait=False)
+
+
+class _DirectHandle(CopyHandle):
+    """A ``copy_threaded`` batch: its future is the caller's, and ``done`` runs when it lands."""
+
+    __slots__ = ("done",)
 
 
 def _run(job: tuple, direction: Direction, count: int) -> BaseException | None:
