@@ -2,6 +2,8 @@
 #include <pybind11/stl.h>
 
 #include "convert.hpp"
+#include "policy_core.hpp"
+#include "rows.hpp"
 #include "tier.hpp"
 
 using namespace tkv;
@@ -26,17 +28,6 @@ struct KeyIndex {
     KeyTable t;
     KeyIndex(i64 n, int kb, const py::bytes& seeds)
         : t(n, kb, seed_word(seeds, 0), seed_word(seeds, 1), seed_word(seeds, 2)) {}
-};
-
-// A standalone policy over its own lists (the flat simulators use one): tags are given on insert.
-struct PolicyCore {
-    i64 n;
-    Lists lists;
-    std::vector<u64> tags;
-    Policy policy;
-    PolicyCore(int kind, i64 n_, u64 mult, double start, double low, double high)
-        : n(n_), lists(n_), tags(static_cast<size_t>(n_), 0),
-          policy(kind_of(kind), n_, lists, tags.data(), mult, start, low, high) {}
 };
 
 py::array_t<i64> find_all(const KeyTable& t, const KeyArgs& k) {
@@ -82,6 +73,76 @@ py::tuple locate(Tier& cpu, Tier* disk, py::handle keys) {
     return py::make_tuple(cs, cr, ds, dr, pend);
 }
 
+// The engine's GPU block ids of a call as int64, checked (distinct, in [0, num_blocks)) in one pass;
+// None for anything but a list/tuple of plain ints or a 1-D integer array (ids.py names the culprit).
+py::object block_ids(py::handle obj, i64 num_blocks) {
+    std::vector<i64> v;
+    PyObject* o = obj.ptr();
+    if (PyList_Check(o) || PyTuple_Check(o)) {
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
+        PyObject** items = PySequence_Fast_ITEMS(o);
+        v.resize(static_cast<size_t>(n));
+        for (Py_ssize_t i = 0; i < n; ++i) {
+            if (!PyLong_CheckExact(items[i])) return py::none();
+            int overflow = 0;
+            long long x = PyLong_AsLongLongAndOverflow(items[i], &overflow);
+            if (overflow) return py::none();
+            v[static_cast<size_t>(i)] = x;
+        }
+    } else if (py::isinstance<py::array>(obj)) {
+        py::array a = py::reinterpret_borrow<py::array>(obj);
+        if (a.ndim() != 1 || (a.dtype().kind() != 'i' && a.dtype().kind() != 'u')) return py::none();
+        auto c = py::array_t<i64, py::array::c_style | py::array::forcecast>::ensure(a);
+        if (!c) throw py::error_already_set();
+        v.assign(c.data(), c.data() + c.size());
+    } else {
+        return py::none();
+    }
+    i64 n = static_cast<i64>(v.size());
+    for (i64 i = 0; i < n; ++i)
+        if (v[i] < 0 || v[i] >= num_blocks)
+            raise(Err::BlockId, "gpu_block_ids[" + S(i) + "] = " + S(v[i]) + " is out of range [0, " + S(num_blocks) + ")");
+    if (repeated_id(v.data(), n) >= 0) raise(Err::BlockId, "gpu_block_ids contains duplicates: one GPU block cannot hold two keys");
+    return i64_array(v.data(), n);
+}
+
+// Two sides of row-major uint8 regions (side 0: the engine's blocks, side 1: the CPU slab's rows).
+struct Rows {
+    std::vector<Region> side[2];
+    std::string name[2];
+    py::list hold;  // the arrays whose memory the regions point into
+};
+
+std::vector<Region> regions_of(py::handle list, Rows& rows, int side) {
+    std::vector<Region> out;
+    for (py::handle item : list) {
+        if (!py::isinstance<py::array>(item)) raise(Err::Transfer, "rows: side " + S(side) + " holds a non-array region");
+        py::array a = py::reinterpret_borrow<py::array>(item);
+        if (a.dtype().kind() != 'u' || a.itemsize() != 1 || a.ndim() != 2 || a.strides(1) != 1 || !a.writeable() ||
+            a.strides(0) < a.shape(1))
+            raise(Err::Transfer, "rows: regions must be writable 2-D uint8 arrays with dense, non-overlapping rows");
+        out.push_back(Region{static_cast<u8*>(a.mutable_data()), a.shape(0), a.strides(0), a.shape(1)});
+        rows.hold.append(a);
+    }
+    return out;
+}
+
+std::vector<i64> id_copy(py::handle obj, const std::string& name) {
+    py::array a = py::array::ensure(obj);
+    if (!a) {
+        PyErr_Clear();
+        raise(Err::Transfer, name + "s must be integers, got " + Py_TYPE(obj.ptr())->tp_name);
+    }
+    char k = a.dtype().kind();
+    if (a.size() == 0) return {};
+    if (a.ndim() != 1 || (k != 'i' && k != 'u'))
+        raise(Err::Transfer, name + "s must be integers, got " + std::string(py::str(a.dtype())) + " of shape " +
+                                 std::string(py::str(py::list(a.attr("shape")))));
+    auto c = py::array_t<i64, py::array::c_style | py::array::forcecast>::ensure(a);
+    if (!c) throw py::error_already_set();
+    return std::vector<i64>(c.data(), c.data() + c.size());
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -94,11 +155,14 @@ PYBIND11_MODULE(_core, m) {
             PyErr_SetString(cls ? cls.ptr() : PyExc_RuntimeError, e.what());
         }
     });
-    m.def("set_errors", [](py::object tier, py::object key, py::object slot) {
+    m.def("set_errors", [](py::object tier, py::object key, py::object slot, py::object transfer, py::object block_id) {
         error_class(Err::Tier) = tier;
         error_class(Err::Key) = key;
         error_class(Err::Slot) = slot;
+        error_class(Err::Transfer) = transfer;
+        error_class(Err::BlockId) = block_id;
     });
+    m.def("block_ids", &block_ids, py::arg("ids"), py::arg("num_blocks"));
 #ifdef TKV_DEBUG
     m.attr("DEBUG") = true;
 #else
@@ -108,6 +172,7 @@ PYBIND11_MODULE(_core, m) {
     m.attr("RESERVED") = RESERVED;
     m.attr("READY") = READY;
     m.attr("WINDOW_GHOSTS") = py::make_tuple(WINDOW_GHOSTS[0], WINDOW_GHOSTS[1]);
+    m.attr("MAX_SLOTS") = MAX_SLOTS;
     m.attr("GHOST_BYTES") = 25;  // per ghost at the bound (lists.hpp)
     m.def("leading_run", [](const Tier& cpu, const Tier* disk, py::handle keys) {
         KeyArgs k = key_args(keys, cpu.keys().key_bytes());
@@ -120,7 +185,7 @@ PYBIND11_MODULE(_core, m) {
     py::class_<Tier>(m, "Tier")
         .def(py::init([](const std::string& name, i64 n, int kb, int kind, const py::bytes& seeds, double start,
                          double low, double high) {
-            if (n <= 0 || n >= (i64(1) << 31) - 8) raise(Err::Tier, "tier " + name + " needs 1 .. 2^31 - 9 slots, got " + S(n));
+            if (n <= 0 || n > MAX_SLOTS) raise(Err::Tier, "tier " + name + " needs 1 .. " + S(MAX_SLOTS) + " slots (MAX_SLOTS), got " + S(n));
             if (kb < 1) raise(Err::Tier, "key_bytes must be >= 1, got " + S(kb));
             u64 w[4] = {seed_word(seeds, 0), seed_word(seeds, 1), seed_word(seeds, 2), seed_word(seeds, 3)};
             return new Tier(name, n, kb, kind_of(kind), w, start, low, high);
@@ -140,16 +205,16 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("ghost_nbytes", [](const Tier& t) { return t.policy().nbytes(); })
         .def("state_view", [](py::object self) {
             Tier& t = self.cast<Tier&>();
-            return py::array(py::dtype::of<u8>(), {t.num_slots()}, t.state_data(), self);
+            return readonly_view(py::dtype::of<u8>(), {t.num_slots()}, t.state_data(), self);
         })
         .def("pins_view", [](py::object self) {
             Tier& t = self.cast<Tier&>();
-            return py::array(py::dtype::of<u16>(), {t.num_slots()}, t.pins_data(), self);
+            return readonly_view(py::dtype::of<u16>(), {t.num_slots()}, t.pins_data(), self);
         })
         .def("keys_view", [](py::object self) {
             Tier& t = self.cast<Tier&>();
             std::vector<py::ssize_t> shape{t.num_slots(), t.keys().key_bytes()};
-            return py::array(py::dtype::of<u8>(), shape, t.keys().keys_data(), self);
+            return readonly_view(py::dtype::of<u8>(), shape, t.keys().keys_data(), self);
         })
         .def("find", [](const Tier& t, py::handle keys) { return find_all(t.keys(), key_args(keys, t.keys().key_bytes())); })
         .def("find_ready", [](const Tier& t, py::handle keys) {
@@ -250,9 +315,48 @@ PYBIND11_MODULE(_core, m) {
         .def("ghost_sizes", [](const Tier& t) { return py::make_tuple(t.policy().ghosts().size(0), t.policy().ghosts().size(1)); })
         .def("check_invariants", &Tier::check);
 
+    py::class_<Rows>(m, "Rows")
+        .def(py::init([](py::handle a, py::handle b, const std::string& a_name, const std::string& b_name) {
+            auto r = std::make_unique<Rows>();
+            r->side[0] = regions_of(a, *r, 0);
+            r->side[1] = regions_of(b, *r, 1);
+            r->name[0] = a_name;
+            r->name[1] = b_name;
+            if (r->side[0].empty() || r->side[0].size() != r->side[1].size())
+                raise(Err::Transfer, "rows: " + S(static_cast<i64>(r->side[0].size())) + " regions on one side, " +
+                                         S(static_cast<i64>(r->side[1].size())) + " on the other");
+            for (int s = 0; s < 2; ++s)
+                for (size_t i = 0; i < r->side[s].size(); ++i) {
+                    if (r->side[s][i].rows != r->side[s][0].rows) raise(Err::Transfer, "rows: the regions of one side disagree on the row count");
+                    if (r->side[s][i].width != r->side[1 - s][i].width) raise(Err::Transfer, "rows: region " + S(static_cast<i64>(i)) + " differs in width");
+                }
+            return r;
+        }), py::arg("a"), py::arg("b"), py::arg("a_name") = "src id", py::arg("b_name") = "dst id")
+        // Row src_ids[i] of side `from` into row dst_ids[i] of the other side, every region; the ids are
+        // checked first (in range, no destination twice: TransferError) and the copy runs without the GIL.
+        .def("copy", [](Rows& r, int from, py::handle src_ids, py::handle dst_ids) {
+            if (from != 0 && from != 1) raise(Err::Transfer, "rows.copy: side must be 0 or 1, got " + S(from));
+            int to = 1 - from;
+            std::vector<i64> src = id_copy(src_ids, r.name[from]), dst = id_copy(dst_ids, r.name[to]);
+            i64 n = static_cast<i64>(src.size());
+            if (static_cast<i64>(dst.size()) != n)
+                raise(Err::Transfer, "length mismatch: " + S(n) + " " + r.name[from] + "s vs " + S(static_cast<i64>(dst.size())) + " " + r.name[to] + "s");
+            for (int s = 0; s < 2; ++s) {
+                const std::vector<i64>& ids = s == 0 ? src : dst;
+                i64 rows = r.side[s == 0 ? from : to][0].rows;
+                const std::string& nm = r.name[s == 0 ? from : to];
+                for (i64 x : ids)
+                    if (x < 0 || x >= rows) raise(Err::Transfer, nm + " " + S(x) + " out of range [0, " + S(rows) + ")");
+            }
+            i64 rep = repeated_id(dst.data(), n);
+            if (rep >= 0) raise(Err::Transfer, "duplicate " + r.name[to] + " " + S(rep) + " in one batch");
+            py::gil_scoped_release unlocked;
+            copy_rows(r.side[from], r.side[to], src.data(), dst.data(), n);
+        }, py::arg("side"), py::arg("src_ids"), py::arg("dst_ids"));
+
     py::class_<KeyIndex>(m, "KeyIndex")
         .def(py::init([](i64 n, int kb, const py::bytes& seeds) {
-            if (n < 1 || n >= (i64(1) << 31) - 8) raise(Err::Tier, "KeyTable num_slots must be an int in [1, 2^31 - 9], got " + S(n));
+            if (n < 1 || n > MAX_SLOTS) raise(Err::Tier, "KeyTable num_slots must be an int in [1, " + S(MAX_SLOTS) + "] (MAX_SLOTS), got " + S(n));
             if (kb < 1) raise(Err::Tier, "KeyTable key_bytes must be an int >= 1, got " + S(kb));
             return new KeyIndex(n, kb, seeds);
         }))
@@ -263,7 +367,7 @@ PYBIND11_MODULE(_core, m) {
         .def("keys_view", [](py::object self) {
             KeyIndex& k = self.cast<KeyIndex&>();
             std::vector<py::ssize_t> shape{k.t.num_slots(), k.t.key_bytes()};
-            return py::array(py::dtype::of<u8>(), shape, k.t.keys_data(), self);
+            return readonly_view(py::dtype::of<u8>(), shape, k.t.keys_data(), self);
         })
         .def("find", [](const KeyIndex& k, py::handle keys) { return find_all(k.t, key_args(keys, k.t.key_bytes())); })
         .def("leading_run", [](const KeyIndex& k, py::handle keys) {
@@ -317,8 +421,8 @@ PYBIND11_MODULE(_core, m) {
 
     py::class_<PolicyCore>(m, "PolicyCore")
         .def(py::init([](int kind, i64 n, u64 mult, double start, double low, double high) {
-            if (n < 0 || n >= (i64(1) << 31) - 8) raise(Err::Slot, "num_slots must be an int in 0..2^31 - 9, got " + S(n));
-            return new PolicyCore(kind, n, mult, start, low, high);
+            if (n < 0 || n > MAX_SLOTS) raise(Err::Slot, "num_slots must be an int in 0.." + S(MAX_SLOTS) + " (MAX_SLOTS), got " + S(n));
+            return new PolicyCore(kind_of(kind), n, mult, start, low, high);
         }))
         .def_property_readonly("num_slots", [](const PolicyCore& c) { return c.n; })
         .def_property_readonly("name", [](const PolicyCore& c) { return std::string(kind_name(c.policy.kind())); })

@@ -14,7 +14,12 @@ using u8 = uint8_t;
 using u16 = uint16_t;
 using u64 = uint64_t;
 
-enum class Err { Tier, Key, Slot };
+enum class Err { Tier, Key, Slot, Transfer, BlockId };
+
+// The most slots one tier, key table or policy may have: positions and links are int32, and the
+// largest int32 arrays are the window policy's ghost pool (6 nodes per slot, plus 2 sentinels) and a
+// key table's entries (2 per slot). config.MAX_SLOTS reads this number.
+constexpr i64 MAX_SLOTS = ((i64(1) << 31) - 1 - 2) / 6;
 
 struct CoreError : std::runtime_error {
     Err kind;

@@ -12,7 +12,7 @@ namespace tkv {
 
 // The Python exception classes of tiered_kv.errors, by Err kind (set once by _core.set_errors).
 inline py::object& error_class(Err kind) {
-    static py::object classes[3];
+    static py::object classes[5];
     return classes[static_cast<int>(kind)];
 }
 
@@ -22,11 +22,18 @@ inline py::object& error_class(Err kind) {
     throw py::error_already_set();
 }
 
+// Every argument is copied out of its Python objects before the core runs: converting a later
+// argument (iterating an iterable, an __array__) runs Python code that may free or rewrite the
+// buffers of an earlier one, so no pointer into a Python object outlives its own conversion.
 struct KeyArgs {
+    std::vector<u8> buf;  // n * key_bytes bytes
     std::vector<const u8*> ptr;
-    py::object hold;  // keeps the buffers alive while the pointers are used
     i64 size() const { return static_cast<i64>(ptr.size()); }
     const u8* const* data() const { return ptr.data(); }
+    void point(i64 n, int kb) {
+        ptr.resize(static_cast<size_t>(n));
+        for (i64 i = 0; i < n; ++i) ptr[static_cast<size_t>(i)] = buf.data() + i * kb;
+    }
 };
 
 inline KeyArgs key_args(py::handle obj, int kb) {
@@ -35,16 +42,16 @@ inline KeyArgs key_args(py::handle obj, int kb) {
     if (PyList_Check(o) || PyTuple_Check(o)) {
         Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
         PyObject** items = PySequence_Fast_ITEMS(o);
-        k.ptr.resize(static_cast<size_t>(n));
-        for (Py_ssize_t i = 0; i < n; ++i) {
+        k.buf.resize(static_cast<size_t>(n) * kb);
+        for (Py_ssize_t i = 0; i < n; ++i) {  // no Python code runs in this loop
             PyObject* it = items[i];
             if (!PyBytes_Check(it))
                 raise(Err::Key, "keys[" + S(i) + "] must be bytes, got " + Py_TYPE(it)->tp_name);
             if (PyBytes_GET_SIZE(it) != kb)
                 raise(Err::Key, "keys[" + S(i) + "] has " + S(PyBytes_GET_SIZE(it)) + " bytes, expected " + S(kb) + " per key");
-            k.ptr[static_cast<size_t>(i)] = reinterpret_cast<const u8*>(PyBytes_AS_STRING(it));
+            std::memcpy(k.buf.data() + i * kb, PyBytes_AS_STRING(it), static_cast<size_t>(kb));
         }
-        k.hold = py::reinterpret_borrow<py::object>(obj);
+        k.point(n, kb);
         return k;
     }
     if (py::isinstance<py::array>(obj)) {
@@ -53,11 +60,10 @@ inline KeyArgs key_args(py::handle obj, int kb) {
             raise(Err::Key, "key array must be uint8[n, " + S(kb) + "], got " + std::string(py::str(a.dtype())) +
                                 std::string(py::str(py::tuple(a.attr("shape")))));
         auto c = py::array_t<u8, py::array::c_style>::ensure(a);
-        const u8* base = c.data();
+        if (!c) throw py::error_already_set();
         i64 n = a.shape(0);
-        k.ptr.resize(static_cast<size_t>(n));
-        for (i64 i = 0; i < n; ++i) k.ptr[static_cast<size_t>(i)] = base + i * kb;
-        k.hold = c;
+        k.buf.assign(c.data(), c.data() + n * kb);
+        k.point(n, kb);
         return k;
     }
     if (PyBytes_Check(o) || PyByteArray_Check(o) || PyUnicode_Check(o) || PyMemoryView_Check(o))
@@ -66,9 +72,9 @@ inline KeyArgs key_args(py::handle obj, int kb) {
 }
 
 struct SlotArgs {
+    std::vector<i64> v;  // a copy, checked: see KeyArgs
     const i64* p = nullptr;
     i64 n = 0;
-    py::object hold;
 };
 
 // A 1-D integer array (or list) of slots in [0, num); `op` names the call in errors.
@@ -84,13 +90,25 @@ inline SlotArgs slot_args(py::handle obj, i64 num, const char* op, Err kind = Er
         raise(kind, std::string(op) + ": slots must be a 1-D integer array, got " + std::string(py::str(a.dtype())) +
                         std::string(py::str(py::tuple(a.attr("shape")))));
     auto c = py::array_t<i64, py::array::c_style | py::array::forcecast>::ensure(a);
-    SlotArgs s{c.data(), static_cast<i64>(c.size()), c};
+    if (!c) throw py::error_already_set();
+    SlotArgs s;
+    s.v.assign(c.data(), c.data() + c.size());
+    s.p = s.v.data();
+    s.n = static_cast<i64>(s.v.size());
     for (i64 i = 0; i < s.n; ++i)
         if (s.p[i] < 0 || s.p[i] >= num) {
             if (kind == Err::Slot) raise(kind, "slot " + S(s.p[i]) + " out of range for a policy of " + S(num) + " slots");
             raise(kind, std::string(op) + ": slot " + S(s.p[i]) + " is outside [0, " + S(num) + ")");
         }
     return s;
+}
+
+// A read-only array over memory the core owns (`owner` keeps it alive): writing a slot's state,
+// pins or key from Python would let the core trust a lie (e.g. drop a FREE slot).
+inline py::array readonly_view(py::dtype dt, std::vector<py::ssize_t> shape, const void* data, py::handle owner) {
+    py::array a(dt, std::move(shape), {}, data, owner);
+    py::detail::array_proxy(a.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+    return a;
 }
 
 inline py::array_t<i64> i64_array(const i64* p, i64 n) {

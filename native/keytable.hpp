@@ -12,6 +12,8 @@ namespace tkv {
 
 class KeyTable {
 public:
+    KeyTable(const KeyTable&) = delete;
+    KeyTable& operator=(const KeyTable&) = delete;
     KeyTable(i64 num_slots, int key_bytes, u64 s0, u64 s1, u64 s2)
         : n_(num_slots), kb_(key_bytes), s0_(s0), s1_(s1 | 1), s2_(s2 | 1),
           keys_(static_cast<size_t>(num_slots) * key_bytes, 0), hash_(num_slots, 0), pos_(num_slots, -1),
@@ -59,6 +61,7 @@ public:
 
     // The slot must be empty and the key absent (callers check both first).
     void insert_h(const u8* k, u64 h, i64 slot) {
+        if (slot < 0 || slot >= n_ || pos_[slot] >= 0) fail(Err::Tier, "KeyTable: slot " + S(slot) + " is not empty");
         std::memcpy(keys_.data() + slot * kb_, k, kb_);
         hash_[slot] = h;
         size_t i = scale(h, tsize_);
@@ -69,8 +72,10 @@ public:
         ++count_;
     }
 
-    // The slot must hold a key. Later entries of the probe run move back into the hole.
+    // The slot must hold a key (checked: a caller's state may disagree). Later entries of the probe
+    // run move back into the hole.
     void remove(i64 slot) {
+        if (slot < 0 || slot >= n_ || pos_[slot] < 0) fail(Err::Tier, "KeyTable: slot " + S(slot) + " holds no key to remove");
         size_t i = static_cast<size_t>(pos_[slot]);
         pos_[slot] = -1;
         table_[i] = -1;

@@ -22,6 +22,8 @@ inline const char* kind_name(Kind k) { return k == Kind::LRU ? "lru" : k == Kind
 
 class Policy {
 public:
+    Policy(const Policy&) = delete;  // it refers to lists and tags it does not own
+    Policy& operator=(const Policy&) = delete;
     // `tags` names the key each slot holds (read on insert and evict): the ghosts' identity.
     Policy(Kind kind, i64 n, Lists& lists, const u64* tags, u64 ghost_mult, double start, double low, double high)
         : kind_(kind), n_(n), lists_(lists), tags_(tags),

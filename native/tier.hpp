@@ -38,6 +38,8 @@ constexpr u16 MAX_PINS = 0xFFFF;
 
 class Tier {
 public:
+    Tier(const Tier&) = delete;  // the policy holds references into its own tier's lists and hashes
+    Tier& operator=(const Tier&) = delete;
     Tier(std::string name, i64 n, int key_bytes, Kind kind, const u64 seeds[4], double start, double low, double high)
         : name_(std::move(name)), n_(n), keys_(n, key_bytes, seeds[0], seeds[1], seeds[2]), state_(n, FREE),
           pins_(n, 0), free_(n), lists_(n),
@@ -198,9 +200,10 @@ public:
         for (i64 x : keep) lists_.push_back(COLD, x);
     }
 
+    // A batch names distinct slots (a repeat could step a count past MAX_PINS unchecked).
     void pin(const i64* s, i64 m) {
-        for (i64 i = 0; i < m; ++i)
-            if (pins_[s[i]] == MAX_PINS) fail(Err::Tier, name_ + ": more than " + S(MAX_PINS) + " concurrent pins on one slot");
+        distinct(s, m, "pin");
+        check_pinnable(s, m);
         for (i64 i = 0; i < m; ++i) {
             if (pins_[s[i]] == 0 && state_[s[i]] == READY) ++n_ready_pinned_;
             ++pins_[s[i]];
@@ -208,6 +211,7 @@ public:
     }
 
     void unpin(const i64* s, i64 m) {
+        distinct(s, m, "unpin");
         for (i64 i = 0; i < m; ++i)
             if (pins_[s[i]] == 0) fail(Err::Tier, name_ + ": unpin of a slot that is not pinned");
         for (i64 i = 0; i < m; ++i) {
@@ -285,20 +289,25 @@ public:
         i64 m = static_cast<i64>(new_idx.size());
         std::vector<const u8*> fresh(static_cast<size_t>(m));
         for (i64 j = 0; j < m; ++j) fresh[j] = keys[new_idx[j]];
+        evicted.clear();
+        // All or nothing: whatever can refuse the call (pinning the held blocks) is checked before
+        // the reservation, which no plan would own if a later step threw.
+        std::vector<i64> held;  // the chain's resident blocks: never evicted for its own new ones
+        if (m > nfree_) {
+            for (i64 i = 0; i < n; ++i)
+                if (resident[i]) held.push_back(found[i]);
+            for (i64 j = 0; j < np; ++j) {
+                i64 s = find_ready(prefix[j]);
+                if (s >= 0) held.push_back(s);
+            }
+            std::sort(held.begin(), held.end());
+            held.erase(std::unique(held.begin(), held.end()), held.end());
+            check_pinnable(held.data(), static_cast<i64>(held.size()));
+        }
         slots.assign(static_cast<size_t>(std::min(m, nfree_)), 0);
         i64 got = reserve(fresh.data(), m, slots.data());
         slots.resize(static_cast<size_t>(got));
-        evicted.clear();
         if (got == m) return;
-        std::vector<i64> held;  // the chain's resident blocks: never evicted for its own new ones
-        for (i64 i = 0; i < n; ++i)
-            if (resident[i]) held.push_back(found[i]);
-        for (i64 j = 0; j < np; ++j) {
-            i64 s = find_ready(prefix[j]);
-            if (s >= 0) held.push_back(s);
-        }
-        std::sort(held.begin(), held.end());
-        held.erase(std::unique(held.begin(), held.end()), held.end());
         pin(held.data(), static_cast<i64>(held.size()));
         try {
             std::vector<i64> victims;
@@ -396,10 +405,19 @@ public:
     }
 
 private:
+    // Slots in range and in state `want`, and their keys agree (a RESERVED or READY slot holds one).
     void expect(const i64* s, i64 m, u8 want, const char*) const {
-        for (i64 i = 0; i < m; ++i)
+        for (i64 i = 0; i < m; ++i) {
+            if (s[i] < 0 || s[i] >= n_) fail(Err::Tier, name_ + ": slot " + S(s[i]) + " is outside [0, " + S(n_) + ")");
             if (state_[s[i]] != want)
                 fail(Err::Tier, name_ + ": slot " + S(s[i]) + " is in state " + S(state_[s[i]]) + ", expected " + S(want));
+            if (keys_.held(s[i]) != (want != FREE))
+                fail(Err::Tier, name_ + ": slot " + S(s[i]) + " is in state " + S(want) + " but its key table disagrees");
+        }
+    }
+    void check_pinnable(const i64* s, i64 m) const {
+        for (i64 i = 0; i < m; ++i)
+            if (pins_[s[i]] == MAX_PINS) fail(Err::Tier, name_ + ": more than " + S(MAX_PINS) + " concurrent pins on one slot");
     }
     void distinct(const i64* s, i64 m, const char* op) const {
         if (m < 2) return;

@@ -24,6 +24,18 @@ class ByteBudget:
     def _fits(self, n: int) -> bool:
         return self.used == 0 or self.used + n <= self.limit
 
+    def admits_now(self, n: int) -> bool:
+        """Whether ``acquire(n)`` would return at once (no waiter ahead): a copy that starts and ends
+        within one call may then run without taking the budget at all."""
+        return not self._waiters and self._fits(n)
+
+    def take_now(self, n: int) -> bool:
+        """Acquire ``n`` at once if ``acquire(n)`` would not wait; False, having taken nothing, otherwise."""
+        if not self.admits_now(n):
+            return False
+        self.used += max(n, 0)
+        return True
+
     async def acquire(self, n: int) -> None:
         if n <= 0:
             return

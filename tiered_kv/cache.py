@@ -1,10 +1,13 @@
 """TieredKVCache: the asyncio facade over the tier manager (bookkeeping) and the mover (bytes).
 
 ``lookup`` and ``touch`` are synchronous calls into the manager. ``store`` and
-``load`` run as tasks the cache owns: the manager plans (reserve), the mover
-executes the plan's jobs in order (spill of evicted slots, promotion from
-disk, the GPU copy), and the manager commits or aborts once every copy of the
-plan has landed. A caller's cancellation stops the move before its next copy
+``load`` first plan at once: when nothing must wait (no spill or promotion, no
+room or in-flight key to wait for) and the engine copies inline (host engines,
+small batches), they copy and commit within the call, with no suspension point,
+so no cancellation can come between. Otherwise the plan runs as a task the cache
+owns: the mover executes its jobs in order (spill of evicted slots, promotion
+from disk, the GPU copy), and the manager commits or aborts once every copy of
+the plan has landed. A caller's cancellation stops the move before its next copy
 and the caller still waits for the copies already issued (see ``_run``).
 """
 
@@ -21,6 +24,7 @@ import numpy as np
 from .backpressure import ByteBudget
 from .capacity import cpu_rows, promote_chunk, remote_blocks, staging_rows, tier_slots
 from .config import Config, check_capacities, load_config
+from .core import core
 from .errors import BlockIdError, HintError, LayoutError
 from .identity import disk_namespace, make_keyer, remote_namespace
 from .ids import check_block_ids
@@ -32,10 +36,11 @@ from .manager.loading import key_rows
 from .manager.tier_index import READY
 from .metrics import CacheMetrics
 from .mover import DiskIO, Mover, load_handler, store_handler
+from .mover.gpu_cpu import inline_handler, threaded_starter
 from .moves import Moves, StoreResult, _Op
 from .tiers.cpu import CpuSlabs
 from .transfer import CopyEngine, make_engine
-from .transfer.base import Compute, check_compute, compute_event
+from .transfer.base import Compute, Direction, check_compute, compute_event
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -120,6 +125,12 @@ class TieredKVCache(Moves, Lifecycle):
                                                 dma_rows=self.slabs.dma_rows)  # fmt: skip
         self.mover.register("gpu", "cpu", store_handler(engine))
         self.mover.register("cpu", "gpu", load_handler(engine))
+        for (src, dst), direction in ((("gpu", "cpu"), Direction.STORE), (("cpu", "gpu"), Direction.LOAD)):
+            inline, threaded = inline_handler(engine, direction), threaded_starter(engine, direction)
+            if inline is not None:
+                self.mover.register_inline(src, dst, inline)
+            if threaded is not None:
+                self.mover.register_threaded(src, dst, threaded)
         if self._disk_ns is not None:
             self.disk, recovered = await DiskIO.open(cfg.tiers.disk, self._disk_ns, self._slots["disk"],
                                                      self.slabs, self.metrics, self._disk_degraded)  # fmt: skip
@@ -346,6 +357,7 @@ class TieredKVCache(Moves, Lifecycle):
         announces them this way and lets them in once room has been freed.
         ``compute``: see ``load``; the copies read the blocks only after it.
         """
+        t0 = time.perf_counter()  # not loop.time(): uvloop's ticks in whole milliseconds
         ids = self._check_args(keys, gpu_block_ids)
         compute = self._compute_event(compute)
         if len(prefix):
@@ -354,7 +366,13 @@ class TieredKVCache(Moves, Lifecycle):
         if session is not None:
             self.manager.hint(_check_session(session), prefix + keys, bool(expect_followup))
         if after is None:
-            return await self._run(lambda op: self._store_body(op, keys, ids, prefix), "store", compute)
+            result, plan = self._store_now(keys, ids, prefix)
+            if result is not None:
+                if not isinstance(result, StoreResult):
+                    result = await result  # the copy on the engine's thread (a cancel waits for it to land)
+                self.metrics.op_latency["store"].observe(time.perf_counter() - t0)
+                return result
+            return await self._run(lambda op: self._store_body(op, keys, ids, prefix, plan), "store", compute, t0)
         self.manager.announce(keys)
         return await self._run(lambda op: self._store_after(op, after, keys, ids, prefix), "store", compute)
 
@@ -385,15 +403,24 @@ class TieredKVCache(Moves, Lifecycle):
         model only if the model runs on that stream (see README, "Ordering against the GPU").
         Ignored by the host engine (CPU tensors).
         """
+        t0 = time.perf_counter()
         ids = self._check_args(keys, gpu_block_ids)
         compute = self._compute_event(compute)
         keys = list(keys)
+        plan = None
+        if before_copy is None:
+            loaded, plan = self._load_now(keys, ids, bool(exclusive))
+            if loaded is not None:
+                if not isinstance(loaded, int):
+                    loaded = await loaded  # the copy on the engine's thread (a cancel waits for it to land)
+                self.metrics.op_latency["load"].observe(time.perf_counter() - t0)
+                return loaded
 
         def body(op: _Op) -> Awaitable[int]:
             op.before_copy = before_copy
-            return self._load_body(op, keys, ids, bool(exclusive))
+            return self._load_body(op, keys, ids, bool(exclusive), plan)
 
-        return await self._run(body, "load", compute)
+        return await self._run(body, "load", compute, t0)
 
     def _compute_event(self, compute: Compute) -> Compute:
         """A stream becomes an event recorded at the call (CUDA tensors only); anything else is checked."""
@@ -406,12 +433,15 @@ class TieredKVCache(Moves, Lifecycle):
         """Validate a call before anything is reserved; returns the block ids as an int64 array."""
         self._check_open()
         check_keys(keys, self._key_bytes)
-        ids = check_block_ids(gpu_block_ids, self.layout.num_blocks)
+        ids = core.block_ids(gpu_block_ids, self.layout.num_blocks)  # one native pass for plain ints
+        if ids is None:
+            ids = check_block_ids(gpu_block_ids, self.layout.num_blocks)
         if len(keys) != len(ids):
             raise BlockIdError(f"{len(keys)} keys but {len(ids)} gpu_block_ids")
         return ids
 
-    async def _run(self, body: Callable[[_Op], Awaitable[T]], op_name: str, compute: Compute = None) -> T:
+    async def _run(self, body: Callable[[_Op], Awaitable[T]], op_name: str, compute: Compute = None,
+                   t0: float | None = None) -> T:  # fmt: skip
         """Run a move as a task the cache owns; the caller waits for it, cancelled or not.
 
         On cancellation the flag stops the move before its next copy, and the caller
@@ -420,7 +450,8 @@ class TieredKVCache(Moves, Lifecycle):
         """
         op = _Op()
         op.compute = compute
-        t0 = time.perf_counter()  # not loop.time(): uvloop's ticks in whole milliseconds
+        if t0 is None:
+            t0 = time.perf_counter()  # not loop.time(): uvloop's ticks in whole milliseconds
         task = self.spawn(body(op))
 
         def stop() -> None:

@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from .config_tiers import ByteSize, Section, TiersConfig
+from .core import core
 from .errors import ConfigError
 from .host_checks import SLOT_OVERHEAD_BYTES, disk_room, mem_available
 from .policy.window import GHOST_BYTES_PER_SLOT
@@ -41,7 +42,7 @@ DTYPE_BYTES: dict[str, int] = {
 
 # Upper bounds: a value past them is a typo, and each would fail (or allocate for minutes)
 # only once a replay or a cache starts, long after check-config said OK.
-MAX_SLOTS = 2**31 - 1  # per tier: the index keeps slot ids in int32 arrays
+MAX_SLOTS = core.MAX_SLOTS  # per tier: the native core's int32 positions and links (native/common.hpp)
 MAX_GPU_BLOCKS = 2**31
 MIN_REPLAY_BLOCK_BYTES = 512  # below this the replay's slot counts explode (64MiB / 1 B = 67M slots)
 
@@ -196,7 +197,7 @@ def check_capacities(cfg: Config, bytes_per_block: int) -> None:
         if capacity // bytes_per_block > MAX_SLOTS:
             raise ConfigError(
                 f"{key}: {format_size(capacity)} holds {capacity // bytes_per_block} blocks of {bytes_per_block} bytes, "
-                f"over the maximum of {MAX_SLOTS} slots per tier"
+                f"over the maximum of {MAX_SLOTS} slots per tier (the native core's MAX_SLOTS)"
             )
     inflight = cfg.transfer.max_inflight_bytes
     if inflight < bytes_per_block:

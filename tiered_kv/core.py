@@ -11,7 +11,7 @@ import importlib.util
 import os
 import sys
 
-from .errors import KeyFormatError, SlotError, TieredKVError
+from .errors import BlockIdError, KeyFormatError, SlotError, TieredKVError, TransferError
 
 
 def _load():
@@ -36,7 +36,7 @@ def _load():
 
 
 core = _load()
-core.set_errors(TieredKVError, KeyFormatError, SlotError)
+core.set_errors(TieredKVError, KeyFormatError, SlotError, TransferError, BlockIdError)
 
 
 def seeds() -> bytes:

@@ -44,8 +44,29 @@ class _Op:
         self.compute: Any = None  # the caller's compute event: every GPU copy of the move waits on it
 
 
+class _Call(asyncio.Future):
+    """The one future of a call whose copy runs on the engine's thread, resolved (on the loop) once the
+    copy has landed and the plan is committed. A caller's cancel cannot cancel it: it marks the call
+    given up (a store then discards what it copied: the caller may reuse its GPU blocks at once), and
+    the caller's task gets CancelledError only once the copy has landed, as the contract says."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop=loop)
+        self.gave_up = False
+
+    def cancel(self, msg: Any = None) -> bool:
+        self.gave_up = True
+        return False
+
+
 class Moves:
     """Store and load bodies (see the module docstring); the facade supplies the state."""
+
+    def _own(self, call: _Call) -> _Call:
+        """aclose waits for the call as for a task the cache owns."""
+        self._tasks.add(call)
+        call.add_done_callback(self._task_done)
+        return call
 
     async def _store_after(self, op: _Op, after: Awaitable[Any], keys: list[bytes], ids: np.ndarray,
                            prefix: list[bytes]) -> StoreResult:  # fmt: skip
@@ -73,12 +94,59 @@ class Moves:
             self._progress.set_result(None)
 
     # -- store --------------------------------------------------------------------------
-    async def _store_body(self, op: _Op, keys: list[bytes], ids: np.ndarray, prefix: list[bytes]) -> StoreResult:
+    def _store_now(self, keys: list[bytes], ids: np.ndarray,
+                   prefix: list[bytes]) -> tuple[StoreResult | _Call | None, StorePlan]:  # fmt: skip
+        """Plan; when nothing must wait but the copy (no spill, no room to wait for), copy and commit
+        at once if the copy runs inline, with no suspension point: (result, plan); or start it on the
+        engine's thread: (its call, plan). Else (None, plan) for ``_store_body``, which executes the plan."""
+        m = self.manager
+        plan = m.prepare_store(keys, ids, prefix)
+        if plan.spill is not None or plan.remote_spill is not None:
+            return None, plan
+        if plan.unplaced and not len(plan.cpu_slots) and (m.cpu.n_reserved or m.cpu.n_ready_pinned):
+            return None, plan  # room may come free: the body waits for it
+        if len(plan.cpu_slots):
+            job = CopyJob(plan.gpu_ids, plan.cpu_slots)
+            try:
+                if not self.mover.run_inline("gpu", "cpu", job):
+                    return self._threaded_store(len(keys), plan, job), plan
+            except BaseException:
+                self._finish_store(plan, False)
+                raise
+        stored = self._finish_store(plan, True)
+        return self._store_result(len(keys), stored, plan.deduped, plan.in_flight), plan
+
+    def _threaded_store(self, n_keys: int, plan: StorePlan, job: CopyJob) -> _Call | None:
+        call = _Call(asyncio.get_running_loop())
+
+        def landed(error: BaseException | None) -> None:
+            try:
+                stored = self._finish_store(plan, error is None and not call.gave_up)
+            except BaseException as exc:
+                call.set_exception(exc)
+                return
+            if error is not None:
+                call.set_exception(error)
+            else:
+                call.set_result(self._store_result(n_keys, stored, plan.deduped, plan.in_flight))
+
+        return self._own(call) if self.mover.start_threaded("gpu", "cpu", job, call, landed) else None
+
+    def _store_result(self, n: int, stored: int, deduped: int, in_flight: int) -> StoreResult:
+        skipped = n - stored - deduped - in_flight
+        if skipped:
+            self.metrics.skipped.inc(skipped)
+        return StoreResult(stored, deduped, in_flight, skipped)
+
+    async def _store_body(self, op: _Op, keys: list[bytes], ids: np.ndarray, prefix: list[bytes],
+                          plan: StorePlan | None = None) -> StoreResult:  # fmt: skip
+        """Execute ``plan`` (made by ``_store_now``; planned here when None), then place what found no room."""
         m = self.manager
         stored = deduped = in_flight = 0
         todo_keys, todo_ids = keys, ids
         while True:
-            plan = m.prepare_store(todo_keys, todo_ids, prefix)
+            if plan is None:
+                plan = m.prepare_store(todo_keys, todo_ids, prefix)
             deduped, in_flight = deduped + plan.deduped, in_flight + plan.in_flight
             stored += await self._execute_store(op, plan)
             # Keys that found no slot after every evictable block was taken stay out: evicting
@@ -93,13 +161,10 @@ class Moves:
             rest = plan.unplaced_idx
             prefix = prefix + todo_keys[: int(rest[0])] if len(rest) else prefix
             todo_keys, todo_ids = [todo_keys[i] for i in rest.tolist()], todo_ids[rest]
-        skipped = len(keys) - stored - deduped - in_flight
-        if skipped:
-            self.metrics.skipped.inc(skipped)
-        return StoreResult(stored, deduped, in_flight, skipped)
+            plan = None
+        return self._store_result(len(keys), stored, deduped, in_flight)
 
     async def _execute_store(self, op: _Op, plan: StorePlan) -> int:
-        m = self.manager
         ok = False
         try:
             await self._spill_victims(plan.spill, plan.remote_spill)  # the reused slots' old blocks first
@@ -110,8 +175,16 @@ class Moves:
             # to copy still commits: its resident keys are touched.
             ok = not op.cancelled
         finally:
+            stored = self._finish_store(plan, ok)
+        return stored
+
+    def _finish_store(self, plan: StorePlan, ok: bool) -> int:
+        """Commit (or abort) a plan whose copy has ended; start its write-through jobs. How many were stored."""
+        m = self.manager
+        try:
             write_through = m.complete_store(plan, ok)
             remote_job = m.remote_write_job(plan) if ok and self.remote is not None else None
+        finally:
             self._progressed()
         if write_through is not None:
             self.spawn(self._spill(write_through), background=True)
@@ -155,25 +228,79 @@ class Moves:
             self._progressed()
 
     # -- load ---------------------------------------------------------------------------
-    async def _load_body(self, op: _Op, keys: list[bytes], ids: np.ndarray, exclusive: bool) -> int:
+    def _load_now(self, keys: list[bytes], ids: np.ndarray,
+                  exclusive: bool) -> tuple[int | _Call | None, LoadPlan | None]:  # fmt: skip
+        """Plan; when nothing must wait but the copy (CPU hits only, the run ends in this chunk), copy
+        and complete at once if the copy runs inline, with no suspension point: (loaded, plan); or start
+        it on the engine's thread: (its call, plan). Else (None, plan) for ``_load_body``; (None, None)
+        for an exclusive load through staging."""
+        m = self.manager
+        if exclusive and m.staging is not None:
+            return None, None
+        plan = m.prepare_load(keys, self._max_promote, exclusive=exclusive)
+        if plan.promote is not None or plan.fetch is not None or plan.spill is not None or plan.restage is not None:
+            return None, plan
+        if plan.remote_spill is not None:
+            return None, plan
+        n = len(plan)
+        if not n:
+            busy = m.cpu.n_reserved or m.cpu.n_ready_pinned or m.staging_in_use
+            return (None, plan) if plan.stop == "in_flight" or (plan.stop == "room" and busy) else (0, plan)
+        if plan.stop not in ("", "miss"):
+            return None, plan  # more chunks follow, and may wait
+        job = CopyJob(plan.cpu_slots, ids[:n])
+        try:
+            if not self.mover.run_inline("cpu", "gpu", job):
+                return self._threaded_load(plan, job), plan
+        except BaseException:
+            m.complete_load(plan, 0)
+            self._progressed()
+            raise
+        m.complete_load(plan, n)
+        self._progressed()
+        return n, plan
+
+    def _threaded_load(self, plan: LoadPlan, job: CopyJob) -> _Call | None:
+        call = _Call(asyncio.get_running_loop())
+
+        def landed(error: BaseException | None) -> None:
+            n = len(job) if error is None else 0
+            try:
+                self.manager.complete_load(plan, n)
+            except BaseException as exc:
+                call.set_exception(exc)
+                return
+            finally:
+                self._progressed()
+            call.set_exception(error) if error is not None else call.set_result(n)
+
+        return self._own(call) if self.mover.start_threaded("cpu", "gpu", job, call, landed) else None
+
+    async def _load_body(self, op: _Op, keys: list[bytes], ids: np.ndarray, exclusive: bool,
+                         plan: LoadPlan | None = None) -> int:  # fmt: skip
+        """Load chunk by chunk, from ``plan`` (made by ``_load_now``; planned here when None)."""
         m = self.manager
         if exclusive and m.staging is not None:
             op.hold = m.hold_run(keys)
         try:
-            return await self._load_chunks(op, keys, ids, exclusive)
+            return await self._load_chunks(op, keys, ids, exclusive, plan)
         finally:
             if op.hold is not None:
                 m.release_hold(op.hold, len(keys))
                 op.hold = None
                 self._progressed()
 
-    async def _load_chunks(self, op: _Op, keys: list[bytes], ids: np.ndarray, exclusive: bool) -> int:
+    async def _load_chunks(self, op: _Op, keys: list[bytes], ids: np.ndarray, exclusive: bool,
+                           first: LoadPlan | None) -> int:  # fmt: skip
         m = self.manager
         loaded = 0
-        while loaded < len(keys) and not op.cancelled:
+        # A plan made before the task started holds pins: it runs (and completes) even if cancelled.
+        while first is not None or (loaded < len(keys) and not op.cancelled):
             op.base = loaded
-            plan = m.prepare_load(keys[loaded:], self._max_promote, exclusive=exclusive)
+            plan, first = first or m.prepare_load(keys[loaded:], self._max_promote, exclusive=exclusive), None
             if not len(plan):
+                if op.cancelled:
+                    break
                 if plan.stop == "in_flight" or (
                     plan.stop == "room" and (m.cpu.n_reserved or m.cpu.n_ready_pinned or m.staging_in_use)
                 ):

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 
 import pytest
 import torch
 from cache_helpers import block_bytes, cache_for, config, fill, holds, make_kv
+
+from tiered_kv.transfer import Direction
 
 
 def slab_holds(cache, slot: int, key: bytes) -> bool:
@@ -76,6 +79,12 @@ async def test_random_cancellation_during_1000_concurrent_operations(tmp_path, w
 async def test_cancelled_store_frees_its_slots_only_after_the_copy(device):
     kv = make_kv(64, device)
     async with cache_for(kv, config(cpu_blocks=8)) as cache:
+        gate = threading.Event()
+        if hasattr(cache._engine, "inline_bytes"):
+            # The copy goes to the engine's thread (an inline one has no await to cancel), and waits
+            # there behind a gate until the cancel has come: the copy is in flight when it does.
+            cache._engine.inline_bytes = 0
+            cache._engine._executors[Direction.STORE].submit(gate.wait, 10)
         keys = cache.keyer.keys_for_block_ids(range(8))
         for i, key in enumerate(keys):
             fill(kv, i, key)
@@ -83,6 +92,7 @@ async def test_cancelled_store_frees_its_slots_only_after_the_copy(device):
         await asyncio.sleep(0)
         await asyncio.sleep(0)
         task.cancel()
+        gate.set()
         with pytest.raises(asyncio.CancelledError):
             await task
         # slots are still reserved until the engine reports the copy done

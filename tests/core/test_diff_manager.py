@@ -23,7 +23,9 @@ from reference_core.twins import RefManager, outcome, same, same_tier
 from tiered_kv.manager import TierManager
 
 KB = 32
-POOL = [hashlib.sha256(b"key%d" % i).digest() for i in range(24)]
+POOL = [hashlib.sha256(b"key%d" % i).digest() for i in range(18)]
+# Keys that share their first 8 bytes: distinct keys and distinct ghosts on both sides.
+POOL += [b"\x00" * 8 + hashlib.sha256(b"s%d" % i).digest()[: KB - 8] for i in range(6)]
 EXAMPLES = int(os.environ.get("TIERED_KV_DIFF_EXAMPLES", "40"))
 chains = st.lists(st.integers(0, len(POOL) - 1), min_size=1, max_size=8)
 

@@ -18,7 +18,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from reference_core.twins import both, same, same_tier, tier_pair
 
 KB = 16
-POOL = [hashlib.sha256(b"k%d" % i).digest()[:KB] for i in range(40)]
+POOL = [hashlib.sha256(b"k%d" % i).digest()[:KB] for i in range(32)]
+# Keys that share their first 8 bytes: distinct keys and distinct ghosts on both sides.
+POOL += [b"\x00" * 8 + hashlib.sha256(b"s%d" % i).digest()[: KB - 8] for i in range(8)]
 EXAMPLES = int(os.environ.get("TIERED_KV_DIFF_EXAMPLES", "60"))
 
 

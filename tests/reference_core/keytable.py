@@ -156,8 +156,16 @@ class KeyTable:
         return [raw[i : i + kb] for i in range(0, len(raw), kb)]
 
     def key_tags(self, slots: np.ndarray) -> np.ndarray:
-        """uint64 keyed hash of each slot's key (a policy's ghost identity); stale for empty slots."""
-        return self._mix(self._k0[slot_array(slots, self.num_slots, "key_tags")])
+        """uint64 keyed hash of each slot's whole key (a policy's ghost identity, as the core's: keys
+        that share their first 8 bytes are different ghosts); stale for empty slots."""
+        rows = self.slot_keys[slot_array(slots, self.num_slots, "key_tags")]
+        pad = -self.key_bytes % 8
+        words = np.pad(rows, ((0, 0), (0, pad))).view("<u8")  # [n, ceil(key_bytes / 8)]
+        h = np.full(len(rows), self._s1, dtype=np.uint64)
+        for w in words.T:
+            h = (h ^ w) * self._s2
+            h ^= h >> _U32
+        return h
 
     # -- mutation ----------------------------------------------------------------------------------
     def insert(self, keys: KeysIn, slots: np.ndarray) -> None:

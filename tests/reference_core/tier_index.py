@@ -8,6 +8,7 @@ import numpy as np
 
 from tiered_kv.errors import TieredKVError
 
+from .inputs import check_distinct_slots
 from .keytable import KeyTable
 from .policy import EvictionPolicy, LRUPolicy, make_policy
 
@@ -187,6 +188,7 @@ class TierIndex:
         """Protect slots from eviction while they are read; a batch holds distinct slots."""
         if not len(slots):
             return
+        check_distinct_slots(slots, "pin")  # a repeat would step past _MAX_PINS unchecked
         pins = self.pins[slots]
         if np.any(pins == _MAX_PINS):
             raise TieredKVError(f"{self.name}: more than {_MAX_PINS} concurrent pins on one slot")
@@ -196,6 +198,7 @@ class TierIndex:
     def unpin(self, slots: np.ndarray) -> None:
         if not len(slots):
             return
+        check_distinct_slots(slots, "unpin")
         pins = self.pins[slots]
         if np.any(pins == 0):
             raise TieredKVError(f"{self.name}: unpin of a slot that is not pinned")

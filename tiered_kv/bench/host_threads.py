@@ -1,10 +1,11 @@
-"""What background host copies cost the engine's own compute: torch ops vs numpy rows on a foreign thread.
+"""What background host copies cost the engine's own compute, from a copy engine's own thread.
 
 A vLLM worker's forward pass runs torch CPU ops on its thread; a copy engine's thread that runs torch ops
 too (index_select, copy_) starts torch's intra-op pool for itself, and both pools then fight over the
 cores. This times a torch matmul loop on the main thread (the "forward pass") while a copy engine stores
-batches of blocks at a fixed rate from its own thread, for: no copies, HostCopyEngine (torch ops), and
-NumpyRowEngine (numpy rows). Modes are interleaved, medians reported.
+batches of blocks at a fixed rate from its own thread, for: no copies, HostCopyEngine ("torch": it ran
+torch ops until issue 28) and NumpyRowEngine; both now copy with the core's single-threaded native rows
+(native/rows.hpp), so the two modes should agree. Modes are interleaved, medians reported.
 
     python -m tiered_kv.bench.host_threads [--rounds 3] [--iters 150] [--json]
 """

@@ -87,6 +87,12 @@ def render(result: dict[str, Any], console: Console | None = None) -> None:
             f"lookup of a {r['prefix']:,}-block prefix: ours {_spread(r['ours_us'], '{:.1f}')} us, dict loop "
             f"{_spread(r['raw_us'], '{:.1f}')} us; time ratio {_spread(r['time_ratio'])} "
             f"(min-max {_range(r['time_ratio'])}, {r['rounds']} rounds) ", _verdict(r)))  # fmt: skip
+    if "manager" in result:
+        r = result["manager"]
+        console.print(Text.assemble(
+            f"prepare_store + complete_store of {r['batch']} new keys: ours {_spread(r['ours_us'], '{:.1f}')} us, "
+            f"dict-insert loop {_spread(r['raw_us'], '{:.1f}')} us; time ratio {_spread(r['time_ratio'])} "
+            f"(min-max {_range(r['time_ratio'])}, {r['rounds']} rounds) ", _verdict(r)))  # fmt: skip
     if "memory" in result:
         r = result["memory"]
         console.print(Text.assemble(

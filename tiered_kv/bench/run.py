@@ -23,6 +23,7 @@ TARGETS = {
     "cache_ratio_min": {"16KiB": 0.7, "256KiB": 0.9, "2MiB": 0.9, "regions": 8},
     "disk_ratio_min": 0.8,
     "lookup_time_ratio_max": 1.5,
+    "manager_time_ratio_max": 2.0,  # prepare_store + complete_store of 64 new keys / a dict-insert loop
     "memory_bytes_per_block_max": 100,
 }
 
@@ -31,6 +32,7 @@ FULL = {
     "copy": {},
     "disk": {},
     "lookup": {"rounds": 21},
+    "manager": {"rounds": 21},
     "memory": {"blocks": 1_000_000},
 }
 QUICK = {
@@ -38,6 +40,7 @@ QUICK = {
              "working_set": 2 << 20},
     "disk": {"block_sizes": (16 << 10,), "sample_bytes": 1 << 20},
     "lookup": {"calls": 10, "rounds": 9},
+    "manager": {"calls": 20, "rounds": 9, "slots": 16 * 64},
     "memory": {"blocks": 20_000},
 }  # fmt: skip
 
@@ -75,6 +78,13 @@ def run_bench(sections: Sequence[str] | None = None, *, quick: bool = False, dir
         r["target_max"] = TARGETS["lookup_time_ratio_max"]
         r["meets_target"] = r["time_ratio"]["median"] <= r["target_max"]
         out["lookup"] = r
+        from .manager import bench_manager  # the other bookkeeping-vs-dict figure: a store's planning
+
+        step("store planning vs dict-insert loop")
+        r = bench_manager(**cfg["manager"])
+        r["target_max"] = TARGETS["manager_time_ratio_max"]
+        r["meets_target"] = r["time_ratio"]["median"] <= r["target_max"]
+        out["manager"] = r
     if "memory" in want:
         from .memory import bench_memory
 

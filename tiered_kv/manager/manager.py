@@ -168,17 +168,14 @@ class TierManager(LoadPlanning):
         """prepare_store with no tier below the CPU (so no spill) and no second chances: one native
         call finds the new keys, reserves their slots and evicts for the rest (core.Tier.plan_store)."""
         new_idx, slots, evicted, deduped, in_flight = self.cpu.plan_store(keys, prefix)
-        self._event("evicted", "cpu", evicted)
+        if len(evicted):
+            self._event("evicted", "cpu", evicted)
+        placed, unplaced = (new_idx, EMPTY) if len(slots) == len(new_idx) else (new_idx[: len(slots)], new_idx[len(slots) :])
+        ids = gpu_ids if type(gpu_ids) is np.ndarray and gpu_ids.dtype == np.int64 else np.asarray(gpu_ids, dtype=np.int64)
         return StorePlan(
-            keys=list(keys),
-            gpu_ids=np.asarray(gpu_ids, dtype=np.int64)[new_idx[: len(slots)]],
-            cpu_slots=slots,
-            deduped=deduped,
-            in_flight=in_flight,
-            unplaced_idx=new_idx[len(slots) :],
-            prefix=list(prefix),
-            remote_spill=self.take_remote_spill(),
-        )
+            keys if type(keys) is list else list(keys), ids[placed], slots, None, deduped, in_flight, unplaced,
+            prefix if type(prefix) is list else list(prefix), self.take_remote_spill(),
+        )  # fmt: skip
 
     def _hold_chain(self, cpu_s, d_s, resident, prefix) -> tuple[np.ndarray, np.ndarray]:
         """Pin the resident blocks of the call's chain (prefix + its own resident keys) for one eviction."""

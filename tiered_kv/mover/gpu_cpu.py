@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..transfer.base import CopyEngine
-from .mover import CopyJob
+from ..transfer.base import CopyEngine, Direction
+from .mover import CopyJob, InlineHandler, ThreadedStarter
 
 
 def store_handler(engine: CopyEngine):
@@ -24,5 +24,30 @@ def load_handler(engine: CopyEngine):
     async def run(job: CopyJob) -> np.ndarray:
         await engine.submit_load(job.src_ids, job.dst_ids, compute=job.compute)
         return np.ones(len(job), dtype=bool)
+
+    return run
+
+
+def inline_handler(engine: CopyEngine, direction: Direction) -> InlineHandler | None:
+    """The engine's synchronous copy (``copy_inline``: host engines only), or None: a CUDA copy
+    always ends later, on its stream."""
+    copy = getattr(engine, "copy_inline", None)
+    if copy is None:
+        return None
+
+    def run(job: CopyJob) -> bool:
+        return copy(direction, job.src_ids, job.dst_ids)
+
+    return run
+
+
+def threaded_starter(engine: CopyEngine, direction: Direction) -> ThreadedStarter | None:
+    """The engine's one-hand-off threaded copy (``copy_threaded``: host engines only), or None."""
+    start = getattr(engine, "copy_threaded", None)
+    if start is None:
+        return None
+
+    def run(job: CopyJob, token, done) -> None:
+        start(direction, job.src_ids, job.dst_ids, token, done)
 
     return run

@@ -7,6 +7,7 @@ made it. Adding a tier adds handlers, not branches.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -26,6 +27,12 @@ DIRECTIONS = {("gpu", "cpu"): "gpu_to_cpu", ("cpu", "gpu"): "cpu_to_gpu",
 # A handler runs one job and returns a per-block ok mask; it raises only for a fault that
 # hit the whole batch, and only once nothing of the batch can still be in flight.
 Handler = Callable[[Any], Awaitable[np.ndarray]]
+# An inline handler runs one job on the calling thread and returns True once it has landed, or
+# returns False having done nothing (the job must go through ``run``); it raises as a handler does.
+InlineHandler = Callable[[Any], bool]
+# A threaded starter hands one job to the engine's thread: ``starter(job, token, done)``; ``done(error)``
+# runs on the loop once the job has landed, ``token`` is the caller's future (in flight until then).
+ThreadedStarter = Callable[[Any, "asyncio.Future[Any]", Callable[[BaseException | None], None]], None]
 
 
 @dataclass
@@ -52,11 +59,64 @@ class Mover:
         self._metrics = metrics
         self._bpb = bytes_per_block
         self._handlers: dict[tuple[str, str], Handler] = {}
+        self._inline: dict[tuple[str, str], InlineHandler] = {}
+        self._threaded: dict[tuple[str, str], ThreadedStarter] = {}
 
     def register(self, src: str, dst: str, handler: Handler) -> None:
         if src not in MEDIA or dst not in MEDIA or src == dst:
             raise TransferError(f"cannot register a handler for {src!r} -> {dst!r}; media are {MEDIA}")
         self._handlers[(src, dst)] = handler
+
+    def register_inline(self, src: str, dst: str, handler: InlineHandler) -> None:
+        if (src, dst) not in DIRECTIONS:
+            raise TransferError(f"cannot register an inline handler for {src!r} -> {dst!r}")
+        self._inline[(src, dst)] = handler
+
+    def run_inline(self, src: str, dst: str, job: Any) -> bool:
+        """Run ``job`` now, on this thread, when an inline handler takes it and the budget admits it
+        at once (its bytes are in flight only within this call); False, having done nothing, otherwise."""
+        handler = self._inline.get((src, dst))
+        n = len(job)
+        if handler is None or not self._budget.admits_now(n * self._bpb):
+            return False
+        t0 = time.perf_counter()
+        if not handler(job):
+            return False
+        self._metrics.moved(DIRECTIONS[(src, dst)], n, n * self._bpb, time.perf_counter() - t0)
+        return True
+
+    def register_threaded(self, src: str, dst: str, starter: ThreadedStarter) -> None:
+        if (src, dst) not in DIRECTIONS:
+            raise TransferError(f"cannot register a threaded starter for {src!r} -> {dst!r}")
+        self._threaded[(src, dst)] = starter
+
+    def start_threaded(self, src: str, dst: str, job: Any, token: asyncio.Future,
+                       done: Callable[[BaseException | None], None]) -> bool:  # fmt: skip
+        """Start ``job`` on the engine's thread when a starter is registered and the budget admits it at
+        once; ``done(error)`` runs on the loop once it has landed (the budget is released first).
+        False, having done nothing, otherwise: the job must go through ``run``."""
+        starter = self._threaded.get((src, dst))
+        n = len(job)
+        nbytes = n * self._bpb
+        if starter is None or not self._budget.take_now(nbytes):
+            return False
+        self._metrics.inflight_bytes.set(self._budget.used)
+        t0 = time.perf_counter()
+
+        def landed(error: BaseException | None) -> None:
+            self._budget.release(nbytes)
+            self._metrics.inflight_bytes.set(self._budget.used)
+            if error is None:
+                self._metrics.moved(DIRECTIONS[(src, dst)], n, nbytes, time.perf_counter() - t0)
+            done(error)
+
+        try:
+            starter(job, token, landed)
+        except BaseException:
+            self._budget.release(nbytes)
+            self._metrics.inflight_bytes.set(self._budget.used)
+            raise
+        return True
 
     def handles(self, src: str, dst: str) -> bool:
         return (src, dst) in self._handlers

@@ -1,29 +1,31 @@
 """HostCopyEngine: the copy engine for CPU-only machines (and CI).
 
-A batch is split into runs of consecutive CPU slots (the tier manager hands out
-ascending slots, so a batch is usually one run); each run is one bulk op per
-region: a slice copy when the engine's block ids are consecutive too, else one
-``index_select(out=...)`` gather (store) or one numpy row scatter (load; CPU
-``index_copy_`` walks elements and is ~5x slower). Many short runs fall back to
-one gather + scatter per region.
+Every batch is one native call (``core.Rows.copy``, native/rows.hpp): it checks the ids (in range,
+no destination twice), then, without the GIL, copies each region's rows with memcpy, one call per
+run consecutive on both sides. Single-threaded by design: torch's CPU ops (``index_select``, a
+large ``copy_``) wake an intra-op pool per calling thread, whose threads compete with the model's
+forward pass and, after an idle gap, took 8.2 ms for a 128 KiB gather that one thread does in 6.5 us.
 
-Small batches run inline on the calling (event-loop) thread: a thread hand-off
-costs 50-300 us here (more under load), as much as copying 1-4 MiB, and a memcpy of at most
-``inline_bytes`` (4 MiB) holds the loop for about a millisecond at most. Larger batches
-go to one worker thread per direction. Either way a direction's batches finish
-in submission order: a batch runs inline only when its direction's worker is idle.
+Small batches may run inline on the calling (event-loop) thread: a thread hand-off costs 50-300 us
+here (more under load), as much as copying 1-4 MiB, and a memcpy of at most ``inline_bytes``
+(4 MiB) holds the loop for about a millisecond at most. ``copy_inline`` does it synchronously (the
+cache's path with no suspension); a submitted batch that fits runs inline too and resolves its
+future on the next loop turn. Larger batches go to one worker thread per direction. Either way a
+direction's batches finish in submission order: a batch runs inline only when its direction's
+worker is idle.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
+from tiered_kv.core import core
 from tiered_kv.errors import LayoutError, TransferError
 from tiered_kv.transfer.base import Compute, CopyEngine, CopyHandle, Direction
 
@@ -53,6 +55,7 @@ class HostCopyEngine(CopyEngine):
         self.inline_bytes = inline_bytes
         self._gpu_np = [t.numpy() for t in self._gpu]
         self._cpu_np = [t.numpy() for t in self._cpu]
+        self._rows = core.Rows(self._gpu_np, self._cpu_np, "gpu block id", "cpu slot")  # side 0: gpu, 1: cpu
         self._executors = {
             d: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tiered-kv-{d.value}") for d in Direction
         }
@@ -64,16 +67,53 @@ class HostCopyEngine(CopyEngine):
     ) -> None:  # fmt: skip
         # ``compute`` (a CUDA event or stream, type-checked by the base) orders nothing here:
         # the "GPU" tensors are CPU memory, written synchronously by the caller.
-        if direction is Direction.STORE:
-            job = (_store_rows, self._gpu, self._cpu, self._gpu_np, self._cpu_np, src, dst)
-        else:
-            job = (_load_rows, self._cpu, self._gpu, self._cpu_np, self._gpu_np, src, dst)
+        job = (self._rows.copy, 0 if direction is Direction.STORE else 1, src, dst)
         if handle.nbytes <= self.inline_bytes and self._queued[direction] == 0:
             error = _run(job, handle.direction, len(src))
-            loop.call_soon(self._resolve, handle.future, error)
+            loop.call_soon(self._finish, handle, error)
             return
         self._queued[direction] += 1
         self._executors[direction].submit(self._threaded, job, handle, loop)
+
+    def copy_inline(self, direction: Direction, src: np.ndarray, dst: np.ndarray) -> bool:
+        """Copy now, on this thread, when the batch is small enough and its direction's worker is idle
+        (so order holds); False, having done nothing, otherwise. ``src``/``dst`` are int64 arrays (the
+        core checks them: TransferError). Raises TransferError as a submitted batch's future would."""
+        if self._closed or self._queued[direction] or len(src) * self.bytes_per_block > self.inline_bytes:
+            return False
+        error = _run((self._rows.copy, 0 if direction is Direction.STORE else 1, src, dst), direction, len(src))
+        if error is not None:
+            raise error
+        return True
+
+    def copy_threaded(self, direction: Direction, src: np.ndarray, dst: np.ndarray, token: asyncio.Future,
+                      done: Callable[[BaseException | None], None]) -> None:  # fmt: skip
+        """Start the copy on the direction's worker (in order after the batches before it); once every
+        byte has landed, ``done(error)`` runs on the loop: one hand-off, one wake-up, and no future of the
+        engine's. ``token`` (the caller's future) counts as in flight until then, so ``aclose`` drains it.
+        Call it only when ``copy_inline`` declined (it goes through ``_launch``, which then threads)."""
+        if self._closed:
+            raise TransferError(f"copy_threaded on a closed {type(self).__name__}")
+        handle = _DirectHandle(token, len(src) * self.bytes_per_block, direction)
+        handle.done = done
+        self._pending.add(token)
+        try:
+            self._launch(direction, src, dst, handle, asyncio.get_running_loop(), None)
+        except BaseException:
+            self._pending.discard(token)
+            raise
+
+    def _finish(self, handle: CopyHandle, error: BaseException | None) -> None:
+        """A batch has landed (on the loop): a direct one calls back, a submitted one resolves its future."""
+        if type(handle) is not _DirectHandle:
+            self._resolve(handle.future, error)
+            return
+        try:
+            handle.done(error)
+        finally:
+            self._pending.discard(handle.future)
+            if not self._pending and self._idle is not None and not self._idle.done():
+                self._idle.set_result(None)
 
     def _threaded(self, job: tuple, handle: CopyHandle, loop: asyncio.AbstractEventLoop) -> None:
         """Worker-thread body: copy, then report to the loop. Never raises."""
@@ -85,13 +125,19 @@ class HostCopyEngine(CopyEngine):
 
     def _resolve_threaded(self, handle: CopyHandle, error: BaseException | None) -> None:
         self._queued[handle.direction] -= 1
-        self._resolve(handle.future, error)
+        self._finish(handle, error)
 
     def _release(self) -> None:
         # Every job has finished (aclose drained them), so the idle workers exit
         # promptly; wait=False keeps the join off the event loop.
         for executor in self._executors.values():
             executor.shutdown(wait=False)
+
+
+class _DirectHandle(CopyHandle):
+    """A ``copy_threaded`` batch: its future is the caller's, and ``done`` runs when it lands."""
+
+    __slots__ = ("done",)
 
 
 def _run(job: tuple, direction: Direction, count: int) -> BaseException | None:
@@ -102,54 +148,3 @@ def _run(job: tuple, direction: Direction, count: int) -> BaseException | None:
         error.__cause__ = exc
         return error
     return None
-
-
-def run_bounds(ids: np.ndarray) -> np.ndarray:
-    """``[0, ..., n]``: boundaries of the runs of consecutive ids, in the given order."""
-    if len(ids) == 0:
-        return np.zeros(1, dtype=np.int64)
-    cuts = np.flatnonzero(np.diff(ids) != 1) + 1
-    return np.concatenate(([0], cuts, [len(ids)]))
-
-
-def _consecutive(ids: np.ndarray) -> bool:
-    return len(ids) > 0 and int(ids[-1]) - int(ids[0]) == len(ids) - 1 and bool(np.all(np.diff(ids) == 1))
-
-
-def _store_rows(gpu: Sequence[torch.Tensor], cpu: Sequence[torch.Tensor], gpu_np: Sequence[np.ndarray],
-                cpu_np: Sequence[np.ndarray], gpu_ids: np.ndarray, cpu_slots: np.ndarray) -> None:  # fmt: skip
-    """GPU rows -> CPU rows: per run of consecutive CPU slots, one gather per region."""
-    bounds = run_bounds(cpu_slots)
-    if len(bounds) - 1 > max(_MANY_RUNS, len(cpu_slots) // 4):
-        for g, c in zip(gpu_np, cpu_np, strict=True):
-            c[cpu_slots] = g[gpu_ids]
-        return
-    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
-        s, d0 = gpu_ids[a:b], int(cpu_slots[a])
-        if _consecutive(s):
-            s0 = int(s[0])
-            for g, c in zip(gpu, cpu, strict=True):
-                c[d0 : d0 + b - a].copy_(g[s0 : s0 + b - a])
-        else:
-            idx = torch.from_numpy(np.ascontiguousarray(s))
-            for g, c in zip(gpu, cpu, strict=True):
-                torch.index_select(g, 0, idx, out=c[d0 : d0 + b - a])
-
-
-def _load_rows(cpu: Sequence[torch.Tensor], gpu: Sequence[torch.Tensor], cpu_np: Sequence[np.ndarray],
-               gpu_np: Sequence[np.ndarray], cpu_slots: np.ndarray, gpu_ids: np.ndarray) -> None:  # fmt: skip
-    """CPU rows -> GPU rows: per run of consecutive CPU slots, one numpy row scatter per region."""
-    bounds = run_bounds(cpu_slots)
-    if len(bounds) - 1 > max(_MANY_RUNS, len(cpu_slots) // 4):
-        for c, g in zip(cpu_np, gpu_np, strict=True):
-            g[gpu_ids] = c[cpu_slots]
-        return
-    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
-        d, s0 = gpu_ids[a:b], int(cpu_slots[a])
-        if _consecutive(d):
-            d0 = int(d[0])
-            for c, g in zip(cpu, gpu, strict=True):
-                g[d0 : d0 + b - a].copy_(c[s0 : s0 + b - a])
-        else:
-            for c, g in zip(cpu_np, gpu_np, strict=True):
-                g[d] = c[s0 : s0 + b - a]
