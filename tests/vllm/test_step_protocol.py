@@ -10,7 +10,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from step_harness import BS, Harness, request
+
+pytest.importorskip("vllm.distributed.kv_transfer", reason="vLLM is not installed in this venv: run `make test-vllm`")
+from step_harness import BS, Harness, request  # noqa: E402
 
 NEEDS_VLLM = True
 
