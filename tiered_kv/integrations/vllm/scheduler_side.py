@@ -23,21 +23,20 @@ import json
 import logging
 import threading
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ...errors import ConfigError
 from ...layout import KVLayout
 from ...split.jobs import STORE
-from ...split.proxy import request_scope
 from ...split.scheduler import open_scheduler_cache
 from .events import HashBook, to_vllm_events
 from .geometry import check_rank_bytes, scheduler_bytes_per_block
 from .hints import NO_HINTS, RequestHints, hints_of
 from .keys import request_block_keys, salt_of, uses_prompt_embeds
+from .loads import LoadBook
 from .meta import TieredKVHandshake, TieredKVMetadata
-from .planning import start_stores, start_sync_load
+from .planning import start_stores
 from .requests import KeyCache, Req, new_tag
 from .runtime import (
     LoopThread,
@@ -48,20 +47,6 @@ from .runtime import (
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Load:
-    start: int  # first block of the request the load covers
-    block_ids: list[int]
-    future: concurrent.futures.Future
-    sync: bool  # served in the step it was planned: vLLM waits for no finished_recving
-
-
-@dataclass
-class _Asked:
-    start: int  # first block a hit answered this step would load
-    sync: bool
 
 
 class SchedulerHalf:
@@ -92,18 +77,11 @@ class SchedulerHalf:
         self._no_store: set[str] = set()  # requests whose KV no key can name (prompt embeddings)
         self._keys = KeyCache(self._compute_keys)
         self._hints: dict[str, RequestHints] = {}
-        self._asked: dict[str, _Asked] = {}
-        self._sources: dict[str, Counter[str]] = {}  # req -> the promised blocks per tier (vLLM's hit metrics)
-        self._loads: dict[str, _Load] = {}
-        self._sync_tags: set[str] = set()  # this step's synchronous loads: the workers wait for their jobs
-        self._sync_errors: list[int] = []  # this step's promised blocks no job loads: vLLM recomputes them
-        self._cap: dict[str, int] = {}  # req -> blocks a load of it landed before a failure (no retry loop)
-        self._loaded_upto: dict[str, int] = {}  # blocks resident after a finished load (next_store starts there)
+        self._loads = LoadBook(self._bs, self._loop, self.counters)
         self._held: dict[str, list[concurrent.futures.Future]] = {}  # finished, blocks kept until stores resolve
         self._newly_held: list[str] = []
         self._vllm_hashes: dict[str, Any] = {}  # req -> request.block_hashes (vLLM's live list)
         self._book = HashBook(cap=1 << 20)  # our key -> vLLM hash, for the router's KV events
-        self._step = 0
         self._closed = False
         publish_runtime(engine_id, self)
         close_before_executors_exit(self.close)
@@ -148,13 +126,13 @@ class SchedulerHalf:
 
     def matched_tokens(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
         rid = request.request_id
-        if rid in self._loads:
+        if self._loads.in_flight(rid):
             return None, False  # a load of this request is still in flight: ask again later
         if rid in self._no_store:
             return 0, False
         prompt = list(request.prompt_token_ids or [])
         max_blocks = (len(prompt) - 1) // self._bs  # vLLM computes at least the last prompt token
-        max_blocks = min(max_blocks, self._cap.get(rid, max_blocks))
+        max_blocks = self._loads.cap(rid, max_blocks)
         if max_blocks * self._bs <= num_computed:
             return 0, False
         side = self._ready()
@@ -180,40 +158,12 @@ class SchedulerHalf:
         n = hit * self._bs - num_computed
         if n <= 0:
             return 0, False
-        self._asked[rid] = _Asked(first, in_cpu)
-        self._sources[rid] = where
+        self._loads.promised(rid, first, in_cpu, where)
         return n, not in_cpu  # a CPU hit loads in this step (synchronously); anything else asynchronously
 
     def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
-        rid = request.request_id
-        asked = self._asked.pop(rid, None)
-        if num_external <= 0 or asked is None:
-            return
-        start = asked.start
-        end = start + num_external // self._bs
-        ids = list(blocks.get_block_ids()[0])[start:end]
-        keys = self._keys.get(rid, list(request.prompt_token_ids or []))[start:end]
-        side = self._ready()
-        tag = new_tag(f"{rid}:load")
-        if not asked.sync:
-            future = self._loop.submit(_start_async(tag, side.cache.load(keys, ids)))
-            self._loads[rid] = _Load(start, ids, future, sync=False)
-            return
-        # Served in this step: its job is queued before vLLM's thread builds the step's metadata.
-        try:
-            future, planned = self._loop.call(start_sync_load(side.proxy, tag, side.cache.load(keys, ids), len(ids)))
-        except Exception as exc:
-            log.warning("tiered_kv: a synchronous load for %s could not start: %r", rid, exc)
-            future, planned = None, 0
-        self._sync_errors += ids[planned:]
-        self.counters["sync_loads"] += 1
-        self.counters["load_error_blocks"] += len(ids) - planned
-        if planned < len(ids):
-            self._cap[rid] = start + planned
-        self._loaded_upto[rid] = start + planned
-        if future is not None:
-            self._sync_tags.add(tag)
-            self._loads[rid] = _Load(start, ids[:planned], future, sync=True)
+        keys = self._keys.get(request.request_id, list(request.prompt_token_ids or []))
+        self._loads.start(self._ready(), request.request_id, keys, list(blocks.get_block_ids()[0]), num_external)
 
     # -- each step ------------------------------------------------------------------------------
     def build_meta(self, so: Any) -> TieredKVMetadata:
@@ -221,13 +171,12 @@ class SchedulerHalf:
         side = self._side
         if side is None:
             return meta
-        self._step += 1
         for rid in so.preempted_req_ids or ():
             fenced = self._fence(rid)
             self.counters["preemptions"] += 1
             self.counters["fenced_preemptions"] += bool(fenced)
             meta.fence += fenced
-        self._finish_loads(meta)
+        self._loads.finish(meta)
         stores: list[tuple[Req, Any]] = []
         for new in so.scheduled_new_reqs:
             req = self._admit(new)
@@ -250,12 +199,7 @@ class SchedulerHalf:
         meta.held, self._newly_held = self._newly_held, []
         for job in side.proxy.take_jobs():
             (meta.store_jobs if job.direction == STORE else meta.load_jobs).append(job)
-            if job.req_id in self._sync_tags:
-                meta.sync_loads.append(job.job_id)
-        self.counters["sync_load_jobs_sent"] += len(meta.sync_loads)
-        meta.sync_load_errors, self._sync_errors = self._sync_errors, []
-        self._sync_tags.clear()
-        self._asked.clear()
+        self._loads.close_step(meta)
         self._maybe_write_stats()
         return meta
 
@@ -274,7 +218,7 @@ class SchedulerHalf:
         else:
             req.prompt, req.keys, req.block_ids = prompt, keys, list(new.block_ids[0])
             self.counters["readmitted_requests"] += 1
-        req.next_store = max(req.next_store, self._loaded_upto.pop(rid, 0))
+        req.next_store = max(req.next_store, self._loads.loaded_upto(rid))
         return req
 
     def _fence(self, rid: str) -> list[int]:
@@ -291,25 +235,6 @@ class SchedulerHalf:
         req.tag = new_tag(rid)  # a fresh tag: the fenced one refuses every later job
         req.next_store = 0  # what the fenced stores did not land is stored again (resident blocks dedupe)
         return sent
-
-    def _finish_loads(self, meta: TieredKVMetadata) -> None:
-        for rid, load in list(self._loads.items()):
-            if not load.future.done():
-                continue
-            del self._loads[rid]
-            try:
-                n = int(load.future.result())
-            except BaseException as exc:  # vLLM recomputes what we did not land
-                log.warning("tiered_kv: load of %d blocks for %s failed: %r", len(load.block_ids), rid, exc)
-                n = 0
-            self.counters["loaded_blocks"] += n
-            if n < len(load.block_ids):
-                self._cap[rid] = load.start + n  # a retry recomputes instead of being promised them again
-            if load.sync:
-                continue  # the workers reported their own copy failures in the step it ran
-            self.counters["load_error_blocks"] += len(load.block_ids) - n
-            meta.loads_done[rid] = load.block_ids[n:]
-            self._loaded_upto[rid] = load.start + n
 
     def _queue_stores(self, todo: list[tuple[Req, str, int]]) -> None:
         """Plan stores of the prompt blocks each request's forward computes in this step; their jobs
@@ -358,16 +283,7 @@ class SchedulerHalf:
         return bool(self._held)
 
     def hit_sources(self, rid: str, num_external: int) -> dict[str, int]:
-        """The promised tokens per tier ("cpu", "disk", "remote", "" for blocks still being stored)."""
-        where = self._sources.pop(rid, None)
-        if not where or num_external <= 0:
-            return {}
-        out = {tier: n * self._bs for tier, n in where.items() if n > 0}
-        extra = num_external - sum(out.values())  # vLLM wants them to sum to what it admitted
-        if extra:
-            top = max(out, key=out.get) if out else ""
-            out[top] = out.get(top, 0) + extra
-        return {k: v for k, v in out.items() if v > 0}
+        return self._loads.hit_sources(rid, num_external)
 
     def has_jobs_in_flight(self) -> bool:
         return self._side is not None and self._side.proxy.inflight > 0
@@ -375,8 +291,9 @@ class SchedulerHalf:
     def request_finished(self, request: Any) -> bool:
         """True: vLLM keeps the request's blocks until a later step reports its stores resolved."""
         rid = request.request_id
-        for table in (self._salts, self._vllm_hashes, self._asked, self._loaded_upto, self._cap, self._sources):
+        for table in (self._salts, self._vllm_hashes):
             table.pop(rid, None)
+        self._loads.forget(rid)
         self._keys.pop(rid)
         self._no_store.discard(rid)
         req = self._reqs.pop(rid, None)
@@ -384,7 +301,7 @@ class SchedulerHalf:
         hints = self._hints.pop(rid, NO_HINTS)
         if hints.end_session and self._side is not None:
             self._release_session(hints.session, list(stores))
-        if rid in self._loads:
+        if self._loads.in_flight(rid):
             return False  # vLLM holds the blocks of a request waiting for its load (finished_recving frees them)
         if not stores:
             return False
@@ -412,7 +329,7 @@ class SchedulerHalf:
         nothing, while a load or store is in flight (vLLM reports the reset as failed; try again)."""
         if self._side is None:
             return True
-        busy = bool(self._loads) or bool(self._held) or any(r.pending_stores() for r in self._reqs.values())
+        busy = self._loads.busy or bool(self._held) or any(r.pending_stores() for r in self._reqs.values())
         if busy or self._side.proxy.inflight:
             return False
         ok = bool(self._loop.call(self._side.cache.reset()))
@@ -483,8 +400,3 @@ def _log_store_failure(future: concurrent.futures.Future) -> None:
     if future.cancelled() or future.exception() is None:
         return
     log.debug("tiered_kv: a store was dropped: %r", future.exception())
-
-
-async def _start_async(tag: str, load: Any) -> Any:
-    with request_scope(tag):  # the cache's tasks inherit the tag (a contextvar): the proxy's jobs carry it
-        return await load

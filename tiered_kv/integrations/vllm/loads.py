@@ -1,0 +1,146 @@
+"""The load side of the scheduler half: what this step's hits promised, the loads in flight, what each landed.
+
+A hit whose blocks are all in the CPU tier is a synchronous load: its job is queued before vLLM's thread
+goes on (planning.start_sync_load) and rides in this step's metadata, its promised blocks that no job
+loads are load errors in this same step. Any other hit is an asynchronous load that vLLM waits for
+(WAITING_FOR_REMOTE_KVS) until a later step reports it. A load that came up short caps what a retry of
+the request is promised (a load that keeps failing would otherwise be promised again forever).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from ...split.proxy import request_scope
+from .meta import TieredKVMetadata
+from .planning import start_sync_load
+from .requests import new_tag
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Load:
+    start: int  # first block of the request the load covers
+    block_ids: list[int]
+    future: concurrent.futures.Future
+    sync: bool  # served in the step it was planned: vLLM waits for no finished_recving
+
+
+@dataclass
+class _Asked:
+    start: int  # first block a hit answered this step would load
+    sync: bool
+
+
+class LoadBook:
+    def __init__(self, block_size: int, loop: Any, counters: Counter[str]) -> None:
+        self._bs = block_size
+        self._loop = loop
+        self._counters = counters
+        self._asked: dict[str, _Asked] = {}
+        self._loads: dict[str, _Load] = {}
+        self._sync_tags: set[str] = set()  # this step's synchronous loads: the workers wait for their jobs
+        self._sync_errors: list[int] = []  # this step's promised blocks no job loads: vLLM recomputes them
+        self._cap: dict[str, int] = {}  # req -> blocks a load of it landed before a failure
+        self._loaded_upto: dict[str, int] = {}  # blocks resident after a load (its stores start there)
+        self._sources: dict[str, Counter[str]] = {}  # req -> the promised blocks per tier (vLLM's hit metrics)
+
+    def in_flight(self, rid: str) -> bool:
+        return rid in self._loads
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._loads)
+
+    def cap(self, rid: str, max_blocks: int) -> int:
+        return min(max_blocks, self._cap.get(rid, max_blocks))
+
+    def promised(self, rid: str, first: int, in_cpu: bool, where: Counter[str]) -> None:
+        """A hit was answered: blocks from ``first`` on, all in the CPU tier (synchronous) or not."""
+        self._asked[rid] = _Asked(first, in_cpu)
+        self._sources[rid] = where
+
+    def start(self, side: Any, rid: str, keys: list[bytes], block_ids: list[int], num_external: int) -> None:
+        """update_state_after_alloc: start the load of what this step's answer promised."""
+        asked = self._asked.pop(rid, None)
+        if num_external <= 0 or asked is None:
+            return
+        start = asked.start
+        n = num_external // self._bs
+        ids, keys = block_ids[start : start + n], keys[start : start + n]
+        tag = new_tag(f"{rid}:load")
+        if not asked.sync:
+            future = self._loop.submit(_start_async(tag, side.cache.load(keys, ids)))
+            self._loads[rid] = _Load(start, ids, future, sync=False)
+            return
+        try:
+            future, planned = self._loop.call(start_sync_load(side.proxy, tag, side.cache.load(keys, ids), len(ids)))
+        except Exception as exc:
+            log.warning("tiered_kv: a synchronous load for %s could not start: %r", rid, exc)
+            future, planned = None, 0
+        self._sync_errors += ids[planned:]
+        self._counters["sync_loads"] += 1
+        self._counters["load_error_blocks"] += len(ids) - planned
+        if planned < len(ids):
+            self._cap[rid] = start + planned
+        self._loaded_upto[rid] = start + planned
+        if future is not None:
+            self._sync_tags.add(tag)
+            self._loads[rid] = _Load(start, ids[:planned], future, sync=True)
+
+    def finish(self, meta: TieredKVMetadata) -> None:
+        """Loads that returned since the last step: counted; an async one's outcome goes to the workers."""
+        for rid, load in list(self._loads.items()):
+            if not load.future.done():
+                continue
+            del self._loads[rid]
+            try:
+                n = int(load.future.result())
+            except BaseException as exc:  # vLLM recomputes what we did not land
+                log.warning("tiered_kv: load of %d blocks for %s failed: %r", len(load.block_ids), rid, exc)
+                n = 0
+            self._counters["loaded_blocks"] += n
+            if n < len(load.block_ids):
+                self._cap[rid] = load.start + n  # a retry recomputes instead of being promised them again
+            if load.sync:
+                continue  # the workers reported their own copy failures in the step it ran
+            self._counters["load_error_blocks"] += len(load.block_ids) - n
+            meta.loads_done[rid] = load.block_ids[n:]
+            self._loaded_upto[rid] = load.start + n
+
+    def close_step(self, meta: TieredKVMetadata) -> None:
+        """The step's jobs are in ``meta``: mark its synchronous loads and errors, forget its answers."""
+        meta.sync_loads = [j.job_id for j in meta.load_jobs if j.req_id in self._sync_tags]
+        self._counters["sync_load_jobs_sent"] += len(meta.sync_loads)
+        meta.sync_load_errors, self._sync_errors = self._sync_errors, []
+        self._sync_tags.clear()
+        self._asked.clear()
+
+    def loaded_upto(self, rid: str) -> int:
+        return self._loaded_upto.pop(rid, 0)
+
+    def hit_sources(self, rid: str, num_external: int) -> dict[str, int]:
+        """The promised tokens per tier ("cpu", "disk", "remote", "" for blocks still being stored)."""
+        where = self._sources.pop(rid, None)
+        if not where or num_external <= 0:
+            return {}
+        out = {tier: n * self._bs for tier, n in where.items() if n > 0}
+        extra = num_external - sum(out.values())  # vLLM wants them to sum to what it admitted
+        if extra:
+            top = max(out, key=out.get) if out else ""
+            out[top] = out.get(top, 0) + extra
+        return {k: v for k, v in out.items() if v > 0}
+
+    def forget(self, rid: str) -> None:
+        for table in (self._asked, self._loaded_upto, self._cap, self._sources):
+            table.pop(rid, None)
+
+
+async def _start_async(tag: str, load: Any) -> Any:
+    with request_scope(tag):  # the cache's tasks inherit the tag (a contextvar): the proxy's jobs carry it
+        return await load
