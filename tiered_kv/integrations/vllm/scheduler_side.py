@@ -172,10 +172,11 @@ class SchedulerHalf:
         if side is None:
             return meta
         for rid in so.preempted_req_ids or ():
-            fenced = self._fence(rid)
+            req = self._reqs.get(rid)
+            in_flight = req is not None and bool(req.pending_stores())
+            meta.fence += self._fence(rid)
             self.counters["preemptions"] += 1
-            self.counters["fenced_preemptions"] += bool(fenced)
-            meta.fence += fenced
+            self.counters["fenced_preemptions"] += in_flight  # its stores were cancelled or fenced
         self._loads.finish(meta)
         stores: list[tuple[Req, Any]] = []
         for new in so.scheduled_new_reqs:
