@@ -304,6 +304,11 @@ class TieredKVCache(Moves, Lifecycle):
                 log.warning("tiered_kv reset: the remote tier's namespace could not be emptied: %s", exc)
         return True
 
+    def copies_now(self, n_blocks: int) -> bool:
+        """Whether a copy of ``n_blocks`` would start at once: the byte budget
+        (``transfer.max_inflight_bytes``) has room and nobody waits for it."""
+        return self._budget.admits_now(n_blocks * self.layout.bytes_per_block)
+
     def take_events(self) -> list[tuple[str, str, list[bytes]]]:
         """(kind, tier, keys) since the last call: stored, evicted, spilled, dropped (for a router)."""
         return self.manager.take_events()

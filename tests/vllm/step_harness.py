@@ -42,7 +42,7 @@ def request(rid: str, prompt: list[int], **extra) -> NS:
 
 
 class Harness:
-    def __init__(self, tmp_path, *, cpu: str = "64KiB", forward_s: float = 0.02) -> None:
+    def __init__(self, tmp_path, *, cpu: str = "64KiB", forward_s: float = 0.02, inflight: str | None = None) -> None:
         self.kv = {"layer.0": torch.zeros(NB, BS, 2, WIDTH)}  # block, token, K/V, width
         bpb = BS * 2 * WIDTH * 4
         self.kcc = NS(num_blocks=NB, kv_cache_tensors=[NS(size=NB * bpb, shared_by=["layer.0"])],
@@ -55,6 +55,8 @@ class Harness:
         self.extra = {"config": {"tiers": {"cpu": {"capacity": cpu, "pin_memory": "off", "shared_path": str(shm)},
                                            "disk": {"enabled": False}},
                                  "transfer": {"engine": "host"}}}  # fmt: skip
+        if inflight is not None:  # transfer.max_inflight_bytes
+            self.extra["config"]["transfer"]["max_inflight_bytes"] = inflight
         eid = f"harness-{next(_ENGINES)}-{time.monotonic_ns()}"
         self.worker = WorkerHalf(self.vcfg, self.kcc, self.extra, eid)
         self.worker.register(self.kv)

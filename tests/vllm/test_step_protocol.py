@@ -161,3 +161,55 @@ def test_shutdown_with_jobs_no_worker_will_report_takes_seconds_not_the_report_t
     h.sched.close()
     assert time.monotonic() - t0 < 10
     h.worker.close()
+
+
+def test_a_cpu_hit_that_cannot_copy_at_once_is_asynchronous_and_never_blocks_the_step(tmp_path):
+    # The byte budget is held by stores no step has reported yet: a synchronous load would wait for
+    # reports that only a later step brings, while vLLM's thread waits for it (a deadlock). It goes async.
+    h = Harness(tmp_path, inflight="256B")  # one block's copy at a time
+    try:
+        store_prompt(h, "a", A, [0, 1, 2, 3])
+        x = request("x", C)
+        h.admit(x, [20, 21, 22])
+        h.step(new=[(x, [20, 21, 22], 0, len(C))], report=False)  # its store holds the budget, unreported
+        b = request("b", B)
+        t0 = time.monotonic()
+        n, is_async = h.admit(b, [10, 11, 12, 13])
+        assert time.monotonic() - t0 < 5
+        assert (n, is_async) == (3 * BS, True)
+        for _ in range(20):
+            h.step()
+            if "b" in h.finished_recving:
+                break
+        assert "b" in h.finished_recving and h.holds(B, [10, 11, 12], 3)
+    finally:
+        h.close()
+
+
+def test_a_synchronous_load_that_cannot_queue_returns_at_once_without_waiting_for_it():
+    import asyncio
+
+    from tiered_kv.integrations.vllm.planning import start_sync_load
+    from tiered_kv.split.proxy import ProxyCopyEngine
+
+    async def run():
+        proxy = ProxyCopyEngine(1, 8, 8)
+        gate = asyncio.Event()  # what the load waits for (room, the byte budget): freed by a later step only
+
+        async def load():  # like the cache's load, a cancel ends it only once what it waits for is over
+            try:
+                await gate.wait()
+            except asyncio.CancelledError:
+                await gate.wait()
+                raise
+            return 0
+
+        t0 = time.monotonic()
+        future, planned = await asyncio.wait_for(start_sync_load(proxy, "r#1", load(), 3), 5)
+        took = time.monotonic() - t0
+        gate.set()  # the next step's reports
+        await asyncio.sleep(0.01)
+        return future, planned, took
+
+    future, planned, took = asyncio.run(run())
+    assert (future, planned) == (None, 0) and took < 1

@@ -60,16 +60,20 @@ async def start_sync_load(proxy: ProxyCopyEngine, tag: str, load: Awaitable[int]
 
     Blocks past the planned ones are never loaded (the tag is sealed: a later chunk's job fails at
     submit), so the caller reports them as load errors in this step. When no job could be queued at
-    once (a block left the CPU tier since the lookup), the load is cancelled and 0 blocks are planned.
+    once (a block left the CPU tier since the lookup, the byte budget is held by copies in flight), the
+    load is cancelled and 0 blocks are planned.
     """
     task = start_tagged(tag, load)
     await _spin(lambda: task.done() or proxy.queued_blocks(tag) > 0)
     planned = min(proxy.queued_blocks(tag), n_blocks)
     proxy.seal_request(tag)
     if planned == 0:
+        # Never wait for it here: what it waits for (room, the byte budget) is freed by the workers'
+        # reports, which only the next step brings, and vLLM's thread is blocked on this call. Cancelled,
+        # it copies nothing (the tag is sealed too) and ends on its own.
         if not task.done():
-            task.cancel()  # the cache's contract: it ends once nothing of it is copying (nothing is)
-        await asyncio.gather(task, return_exceptions=True)
+            task.cancel()
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return None, 0
     return _as_future(task), planned
 

@@ -146,7 +146,9 @@ class SchedulerHalf:
             hit = side.cache.lookup(keys)
             if hit.total:  # the promised blocks are the last to go
                 side.cache.touch(keys[: hit.total], session=hints.session, expect_followup=hints.expect_followup)
-            in_cpu = hit.cpu == hit.total
+            # Served in this step only if it can be copied at once: the byte budget is freed by reports
+            # that only later steps bring.
+            in_cpu = hit.cpu == hit.total and side.cache.copies_now(hit.total - first)
             where = Counter({"cpu": hit.total - first}) if in_cpu else Counter(side.cache.tiers_of(keys[first : hit.total]))
             return hit.total, in_cpu, where
 
