@@ -175,10 +175,7 @@ class ProxyCopyEngine:
         """Fail the request's jobs not yet sent, and any it submits later (the cache aborts them);
         sent jobs finish normally. Returns how many queued jobs it failed."""
         with self._lock:
-            self._cancelled[req_id] = None
-            self._cancelled.move_to_end(req_id)
-            while len(self._cancelled) > CANCELLED_TAGS:
-                self._cancelled.popitem(last=False)
+            self._refuse_later(req_id)
             gone = [e for e in self._queued.values() if e.job.req_id == req_id]
             for e in gone:
                 del self._queued[e.job.job_id]
@@ -187,14 +184,18 @@ class ProxyCopyEngine:
                        f"was sent: request {req_id!r} was preempted or finished")  # fmt: skip
         return len(gone)
 
+    def _refuse_later(self, req_id: str) -> None:
+        """(under the lock) Jobs the request submits from now on fail at submit (oldest tags forgotten)."""
+        self._cancelled[req_id] = None
+        self._cancelled.move_to_end(req_id)
+        while len(self._cancelled) > CANCELLED_TAGS:
+            self._cancelled.popitem(last=False)
+
     def seal_request(self, req_id: str) -> None:
         """Refuse the request's later jobs (they fail at submit, as after ``cancel_request``) but keep its
         queued ones: a synchronous load whose first job rides in this step's metadata may plan no more."""
         with self._lock:
-            self._cancelled[req_id] = None
-            self._cancelled.move_to_end(req_id)
-            while len(self._cancelled) > CANCELLED_TAGS:
-                self._cancelled.popitem(last=False)
+            self._refuse_later(req_id)
 
     def queued_blocks(self, req_id: str) -> int:
         """Blocks in the request's jobs queued and not yet taken by ``take_jobs``."""

@@ -15,9 +15,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from ...split.proxy import request_scope
 from .meta import TieredKVMetadata
-from .planning import start_sync_load
+from .planning import run_tagged, start_sync_load
 from .requests import new_tag
 
 log = logging.getLogger(__name__)
@@ -75,7 +74,7 @@ class LoadBook:
         ids, keys = block_ids[start : start + n], keys[start : start + n]
         tag = new_tag(f"{rid}:load")
         if not asked.sync:
-            future = self._loop.submit(_start_async(tag, side.cache.load(keys, ids)))
+            future = self._loop.submit(run_tagged(tag, side.cache.load(keys, ids)))
             self._loads[rid] = _Load(start, ids, future, sync=False)
             return
         try:
@@ -140,7 +139,3 @@ class LoadBook:
         for table in (self._asked, self._loaded_upto, self._cap, self._sources):
             table.pop(rid, None)
 
-
-async def _start_async(tag: str, load: Any) -> Any:
-    with request_scope(tag):  # the cache's tasks inherit the tag (a contextvar): the proxy's jobs carry it
-        return await load

@@ -54,6 +54,11 @@ def start_tagged(tag: str, coro: Awaitable[Any]) -> asyncio.Task:
         return asyncio.ensure_future(coro)
 
 
+async def run_tagged(tag: str, coro: Awaitable[Any]) -> Any:
+    """Await ``coro`` with its jobs tagged ``tag`` (for a ``LoopThread.submit`` that nobody waits on here)."""
+    return await start_tagged(tag, coro)
+
+
 async def start_sync_load(proxy: ProxyCopyEngine, tag: str, load: Awaitable[int],
                           n_blocks: int) -> tuple[concurrent.futures.Future | None, int]:  # fmt: skip
     """Start a load of CPU-resident blocks and return once its job is queued: (outcome, blocks planned).

@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import logging
-import threading
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 from ...errors import ConfigError
@@ -45,6 +42,7 @@ from .runtime import (
     resolve_config,
     unpublish_runtime,
 )
+from .stats import StatsFile
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +68,7 @@ class SchedulerHalf:
         self._loop = LoopThread("tiered-kv-scheduler")
         self._side: Any = None  # split.scheduler.SchedulerSide, once the workers' handshake arrived
         self.counters: Counter[str] = Counter()
-        self._written: Counter[str] | None = None  # the counters stats_file last showed
-        self._stats_lock = threading.Lock()
+        self._stats_file = StatsFile(extra.get("stats_file"))
         self._reqs: dict[str, Req] = {}
         self._salts: dict[str, tuple[int, ...]] = {}
         self._no_store: set[str] = set()  # requests whose KV no key can name (prompt embeddings)
@@ -367,19 +364,8 @@ class SchedulerHalf:
         return {"counters": dict(self.counters), "stats": self._stats()}
 
     def _maybe_write_stats(self, force: bool = False) -> None:
-        """``stats_file``: rewritten whenever the counters moved (vLLM may kill the EngineCore at shutdown
-        before the connector closes, so the file cannot wait for close)."""
-        path = self._extra.get("stats_file")
-        with self._stats_lock:  # the scheduler thread and a session release may both write
-            if not path or self._side is None or (not force and (self._closed or self.counters == self._written)):
-                return
-            self._written = Counter(self.counters)
-            try:
-                tmp = Path(f"{path}.tmp")
-                tmp.write_text(json.dumps(self.report(), default=str))
-                tmp.replace(path)
-            except Exception:  # a report is not worth failing a step for
-                log.exception("tiered_kv: writing stats to %s failed", path)
+        if self._side is not None and (force or not self._closed):
+            self._stats_file.write(self.counters, self.report, force)
 
     def close(self) -> None:
         if self._closed:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -45,3 +50,25 @@ class StatsDelta:
 
 def build_stats(data: dict[str, Any] | None) -> TieredKVStats:
     return TieredKVStats(data=dict(data or {}))
+
+
+class StatsFile:
+    """``stats_file``: the counters and the cache's stats as JSON, rewritten whenever the counters moved
+    (vLLM may kill the EngineCore at shutdown before the connector closes, so it cannot wait for close)."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self._written: Counter[str] | None = None  # the counters the file last showed
+        self._lock = threading.Lock()  # the scheduler thread and a session release may both write
+
+    def write(self, counters: Counter[str], report: Callable[[], dict[str, Any]], force: bool = False) -> None:
+        with self._lock:
+            if not self.path or (not force and counters == self._written):
+                return
+            self._written = Counter(counters)
+            try:
+                tmp = Path(f"{self.path}.tmp")
+                tmp.write_text(json.dumps(report(), default=str))
+                tmp.replace(self.path)
+            except Exception:  # a report is not worth failing a step for
+                logging.getLogger(__name__).exception("tiered_kv: writing stats to %s failed", self.path)
