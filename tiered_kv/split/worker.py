@@ -13,6 +13,11 @@ owns, so ``submit`` and ``poll`` never block the model's thread. Host copies are
 with ``compute=`` an event recorded in the caller's thread, on its current stream, when ``submit`` is
 called: a store submitted after the forward (vLLM's wait_for_save) reads what the forward wrote, a load
 submitted before it (start_load_kv) lands before attention reads it (``wait`` for a synchronous one).
+
+KV replicated across ``kv_replicas`` consecutive ranks (MLA) is stored once (tiers/segment_geometry.py):
+the ranks of a replica set share one sub-slab, every one of them loads from it, and only the first
+(``SegmentInfo.stores``) copies a store into it. The others report each store job done without copying
+anything, so the scheduler's proxy still resolves a job on a report from every rank.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from ..errors import ConfigError, LayoutError, TransferError
 from ..layout import KVLayout
 from ..loops import new_loop
 from ..tiers.pinning import HostRegistration, pin_chunks, warn_if_memlock_low
-from ..tiers.segment_geometry import SegmentInfo
+from ..tiers.segment_geometry import SegmentInfo, storage_ranks
 from ..tiers.shared_cpu import SharedSegment
 from ..transfer.base import CopyEngine, compute_event
 from ..transfer.numpy_rows import NumpyRowEngine
@@ -40,11 +45,12 @@ class ShardCopier:
     """Copies rank ``rank``'s shard of the jobs it is given (see the module docstring)."""
 
     def __init__(self, layout: KVLayout, *, rank: int, world_size: int, engine: str = "auto",
-                 pin_chunk: int = 1 << 30) -> None:  # fmt: skip
+                 pin_chunk: int = 1 << 30, kv_replicas: int = 1) -> None:  # fmt: skip
         if not isinstance(layout, KVLayout) or not layout.is_bound:
             raise LayoutError("ShardCopier needs this rank's layout bound to its KV tensors (KVLayout.from_tensors)")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise LayoutError(f"rank must be in [0, world_size): rank={rank!r}, world_size={world_size!r}")
+        storage_ranks(world_size, kv_replicas)  # ConfigError unless kv_replicas divides world_size
         if engine == "auto":
             engine = "cuda" if layout.device.type == "cuda" else "host"
         if engine not in ("host", "cuda"):
@@ -55,6 +61,10 @@ class ShardCopier:
         self.layout = layout
         self.rank = rank
         self.world_size = world_size
+        self.kv_replicas = kv_replicas
+        # The first rank of each replica set writes the shared sub-slab; the others only acknowledge stores.
+        self.stores = rank % kv_replicas == 0
+        self.skipped_stores = 0  # store jobs acknowledged without a copy (another rank of the set wrote them)
         self.kind = engine
         self.pin_chunk = pin_chunk  # tiers.cpu.pin_chunk: CUDA registers this rank's sub-slab in chunks of this size
         self.segment: SharedSegment | None = None
@@ -86,6 +96,9 @@ class ShardCopier:
         if info.world_size != self.world_size:
             raise LayoutError(f"the scheduler's segment is for world_size {info.world_size} but this worker is "
                               f"rank {self.rank} of {self.world_size}")  # fmt: skip
+        if info.kv_replicas != self.kv_replicas or info.stores(self.rank) != self.stores:
+            raise LayoutError(f"the segment info is for kv_replicas {info.kv_replicas} (TP ranks holding identical "
+                              f"KV, stored once) but TP rank {self.rank} was built for {self.kv_replicas}")  # fmt: skip
         if info.shard_bytes != self.layout.bytes_per_block:
             raise LayoutError(f"TP rank {self.rank}: its KV tensors give {self.layout.bytes_per_block} bytes per block "
                               f"but the segment info says {info.shard_bytes}")  # fmt: skip
@@ -93,7 +106,8 @@ class ShardCopier:
         try:
             import torch
 
-            shard = torch.from_numpy(seg.shard(self.rank))  # contiguous: the TP=1 copy path as is
+            # Contiguous: the TP=1 copy path as is (ranks of one replica set map the same sub-slab).
+            shard = torch.from_numpy(seg.shard(self.rank))
             cpu, offset = [], 0
             for block_bytes in self.layout.region_block_bytes:
                 cpu.append(shard[:, offset : offset + block_bytes])
@@ -180,6 +194,10 @@ class ShardCopier:
     # -- on the copier's loop -----------------------------------------------------------------
     def _issue(self, jobs: list[ShardJob], ready: Any) -> None:
         for job in jobs:
+            if job.direction == STORE and not self.stores:  # replicated KV: the set's first rank copies it
+                self.skipped_stores += 1
+                self._finished(job.job_id, True)
+                continue
             try:
                 if job.direction == STORE:
                     handle = self._engine.submit_store(job.gpu_ids, job.cpu_slots, compute=ready)

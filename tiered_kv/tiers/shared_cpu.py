@@ -3,7 +3,8 @@
 The segment is rank-major (tiers/segment_geometry.py): a header page, then one contiguous, page-aligned
 sub-slab per TP rank, ``uint8[num_slots, shard_bytes]``. A rank copies into and out of its own sub-slab
 only, and page-locks only that; the scheduler's disk and remote tiers move a whole block as its ranks'
-pieces in rank order (``blocks``: a ``[num_slots, world_size, shard_bytes]`` view).
+pieces in rank order (``blocks``: a ``[num_slots, storage_ranks, shard_bytes]`` view). KV that is the same
+on ``kv_replicas`` consecutive ranks (MLA) has one sub-slab per replica set, which those ranks share.
 
 The file holds users' prompts as KV, so it is created 0600 with O_EXCL, and one that exists with another
 owner, a wider mode, a link or a second hard link is refused by the disk tier's rules (tiers/disk/files.py).
@@ -16,7 +17,9 @@ mapping. On a normal stop the last process out removes the ``.live`` file too; a
 reclaimed by the next start. A second engine with the same engine id is refused while the first lives.
 
 A header page lets every attacher check its own numbers (magic, version, world_size, shard_bytes,
-num_slots, page); the ``ready`` word is written last, so a half-made segment never attaches.
+num_slots, page, and kv_replicas in a word after the original header: 0 there means 1, so a segment
+without replication has the header it always had); the ``ready`` word is written last, so a half-made
+segment never attaches.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ MAGIC, VERSION, READY = b"TKVSHM\x00\x01", 2, 0x52454459  # version 2: rank-majo
 # magic, version, world_size, shard_bytes, num_slots, page, scheduler pid, ready
 _HEADER = struct.Struct("<8sIIQQQII")
 _PID_AT, _READY_AT = _HEADER.size - 8, _HEADER.size - 4
+_REPLICAS = struct.Struct("<I")  # kv_replicas at _HEADER.size (0: none, i.e. 1; written only when > 1)
 
 
 class SharedSegment:
@@ -57,8 +61,8 @@ class SharedSegment:
         self._named = True
         self._map: mmap.mmap | None = mmap.mmap(map_fd, info.file_bytes, mmap.MAP_SHARED,
                                                 mmap.PROT_READ | mmap.PROT_WRITE)  # fmt: skip
-        # A whole block as its ranks' pieces in rank order: [slot, rank, byte].
-        self.blocks = np.ndarray((info.num_slots, info.world_size, info.shard_bytes), np.uint8, self._map,
+        # A whole block as its stored ranks' pieces in rank order: [slot, stored rank, byte].
+        self.blocks = np.ndarray((info.num_slots, info.storage_ranks, info.shard_bytes), np.uint8, self._map,
                                  info.header_bytes, (info.shard_bytes, info.rank_stride, 1))  # fmt: skip
 
     @classmethod
@@ -111,7 +115,7 @@ class SharedSegment:
             if created:
                 files.reserve(fd, info.file_bytes, directory)
             else:
-                _check_header(os.pread(fd, _HEADER.size, 0), info)
+                _check_header(os.pread(fd, _HEADER.size + _REPLICAS.size, 0), info)
                 if os.fstat(fd).st_size < info.file_bytes:
                     raise LayoutError(f"{info.path} holds {os.fstat(fd).st_size} bytes, less than the "
                                       f"{info.file_bytes} its header describes")  # fmt: skip
@@ -136,9 +140,14 @@ class SharedSegment:
 
     # -- views ----------------------------------------------------------------------------
     def shard(self, rank: int) -> np.ndarray:
-        """Rank ``rank``'s sub-slab: ``uint8[num_slots, shard_bytes]``, contiguous and page-aligned."""
-        self.info.rank_offset(rank)  # LayoutError for a rank outside the group
-        return self.blocks[:, rank, :]
+        """TP rank ``rank``'s sub-slab: ``uint8[num_slots, shard_bytes]``, contiguous and page-aligned (the
+        ranks of one replica set get the same one: ``SegmentInfo.storage_rank_of``)."""
+        return self.sub_slab(self.info.storage_rank_of(rank))  # LayoutError for a rank outside the group
+
+    def sub_slab(self, storage_rank: int) -> np.ndarray:
+        """Stored rank ``storage_rank``'s sub-slab (0 .. storage_ranks - 1)."""
+        self.info.sub_slab_offset(storage_rank)  # LayoutError outside the stored ranks
+        return self.blocks[:, storage_rank, :]
 
     @property
     def closed(self) -> bool:
@@ -195,7 +204,7 @@ class SharedSegment:
         finally:
             if dfd >= 0:
                 os.close(dfd)
-            self.blocks = np.zeros((0, self.info.world_size, self.info.shard_bytes), dtype=np.uint8)
+            self.blocks = np.zeros((0, self.info.storage_ranks, self.info.shard_bytes), dtype=np.uint8)
             mapping, self._map = self._map, None
             try:
                 mapping.close()
@@ -207,6 +216,8 @@ class SharedSegment:
         i = self.info
         head = _HEADER.pack(MAGIC, VERSION, i.world_size, i.shard_bytes, i.num_slots, i.page, 0, 0)
         self._map[: len(head)] = head
+        if i.kv_replicas > 1:  # only then: a segment without replication keeps its header byte for byte
+            _REPLICAS.pack_into(self._map, _HEADER.size, i.kv_replicas)
         self._write_u32(_READY_AT, READY)  # last: an attacher that sees it sees the whole header
 
     def _claim(self) -> None:
@@ -223,7 +234,8 @@ class SharedSegment:
 
     def __repr__(self) -> str:
         i = self.info
-        return f"SharedSegment({i.path!r}, world_size={i.world_size}, shard_bytes={i.shard_bytes}, slots={i.num_slots})"
+        return (f"SharedSegment({i.path!r}, world_size={i.world_size}, kv_replicas={i.kv_replicas}, "
+                f"shard_bytes={i.shard_bytes}, slots={i.num_slots})")  # fmt: skip
 
 
 def reclaim_dead(directory: str) -> list[str]:
@@ -239,7 +251,7 @@ def reclaim_dead(directory: str) -> list[str]:
 def _check_header(raw: bytes, info: SegmentInfo) -> None:
     if len(raw) < _HEADER.size:
         raise LayoutError(f"{info.path}: header is {len(raw)} bytes, not a tiered_kv shared segment")
-    magic, version, world, shard, slots, page, _pid, ready = _HEADER.unpack(raw)
+    magic, version, world, shard, slots, page, _pid, ready = _HEADER.unpack_from(raw)
     if magic != MAGIC or version != VERSION:
         raise LayoutError(f"{info.path} is not a tiered_kv shared segment of version {VERSION} "
                           f"(magic {magic!r}, version {version})")  # fmt: skip
@@ -249,6 +261,11 @@ def _check_header(raw: bytes, info: SegmentInfo) -> None:
         raise LayoutError(f"{info.path}: this process's KV tensors give {info.shard_bytes} bytes per block per TP "
                           f"rank but the segment was made for {shard} (by the scheduler or another rank); both "
                           f"must derive bytes per block from the same logical sizes")  # fmt: skip
+    replicas = max(1, _REPLICAS.unpack_from(raw, _HEADER.size)[0]) if len(raw) >= _HEADER.size + 4 else 1
+    if replicas != info.kv_replicas:
+        raise LayoutError(f"{info.path}: the segment was made for kv_replicas {replicas} (TP ranks holding identical "
+                          f"KV, stored once) but this process expects {info.kv_replicas}; the scheduler and every "
+                          f"rank must read it from the same kv_cache_config (kv_tp_replicas)")  # fmt: skip
     for what, got, want in (("world_size", world, info.world_size), ("num_slots", slots, info.num_slots),
                             ("page", page, info.page)):  # fmt: skip
         if got != want:

@@ -11,10 +11,11 @@ from .shared_cpu import SharedSegment
 class SharedCpuSlabs:
     """The segment as the CPU tier's slab: a drop-in for ``tiers.cpu.CpuSlabs`` (disk, remote, restage).
 
-    ``slab_np`` is the segment's ``[num_slots, world_size, shard_bytes]`` block view: ``slab_np[s]`` is
-    slot s's whole block, its ranks' pieces in rank order, and fancy indexing on the slot axis copies
-    whole blocks. The disk and remote tiers read and write a block as those pieces (one iovec per rank).
-    ``regions[r]`` are the group layout's regions as views of their rank's sub-slab.
+    ``slab_np`` is the segment's ``[num_slots, storage_ranks, shard_bytes]`` block view: ``slab_np[s]`` is
+    slot s's whole block, its stored ranks' pieces in rank order, and fancy indexing on the slot axis copies
+    whole blocks. The disk and remote tiers read and write a block as those pieces (one iovec per stored
+    rank: one for replicated KV such as MLA, however many TP ranks share it).
+    ``regions[r]`` are the group layout's regions as views of their stored rank's sub-slab.
     ``release`` drops the views and detaches from the segment (the last process out removes it).
     """
 
@@ -32,7 +33,7 @@ class SharedCpuSlabs:
         self.nbytes = info.num_slots * info.row_bytes
         self.slab_np = segment.blocks
         self.slab = torch.from_numpy(segment.blocks)
-        shards = [torch.from_numpy(segment.shard(r)) for r in range(info.world_size)]
+        shards = [torch.from_numpy(segment.sub_slab(r)) for r in range(info.storage_ranks)]
         self.offsets = [rank * info.shard_bytes + offset for rank, offset, _ in placed]
         self.regions = [shards[rank][:, offset : offset + width] for rank, offset, width in placed]
 

@@ -1,9 +1,11 @@
 """A CPU slab's blocks as column parts, for I/O that moves whole blocks (disk records, remote values).
 
 A slab is either the CPU tier's ``uint8[rows, bytes_per_block]`` (one part), or the shared segment's
-``[rows, ranks, shard]`` block view (tiers/segment_geometry.py: one part per rank, each a contiguous
-sub-slab). Either way a block's bytes are part 0's row, then part 1's, ...: rank 0 .. N-1 byte order,
-the order a record has always had, so the checksum and the record do not depend on the memory layout.
+``[rows, storage_ranks, shard]`` block view (tiers/segment_geometry.py: one part per stored rank, each a
+contiguous sub-slab). Either way a block's bytes are part 0's row, then part 1's, ...: rank 0 .. N-1 byte
+order, the order a record has always had, so the checksum and the record do not depend on the memory layout.
+KV replicated across the TP group (MLA) is stored once: its segment has one stored rank, so its records
+are one part, one rank's shard, whatever the TP size.
 """
 
 from __future__ import annotations

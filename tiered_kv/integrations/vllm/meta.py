@@ -53,3 +53,4 @@ class TieredKVHandshake(KVConnectorHandshakeMetadata):
     rank: int
     bytes_per_block: int
     layout_spec: dict[str, Any]
+    kv_replicas: int = 1  # TP ranks holding identical KV, stored once (replicas.py); checked against the scheduler's

@@ -27,6 +27,7 @@ from ...errors import ConfigError
 from ...layout import KVLayout
 from ...split.jobs import STORE
 from ...split.scheduler import open_scheduler_cache
+from ...tiers.segment_geometry import storage_ranks
 from .events import HashBook, to_vllm_events
 from .geometry import check_rank_bytes, scheduler_bytes_per_block
 from .hints import NO_HINTS, RequestHints, hints_of
@@ -34,6 +35,7 @@ from .keys import request_block_keys, salt_of, uses_prompt_embeds
 from .loads import LoadBook
 from .meta import TieredKVHandshake, TieredKVMetadata
 from .planning import start_stores
+from .replicas import check_rank_replicas, kv_tp_replicas
 from .requests import KeyCache, Req, new_tag
 from .runtime import (
     LoopThread,
@@ -59,6 +61,7 @@ class SchedulerHalf:
                 raise ConfigError(f"TieredKVConnector does not support context parallelism ({name} = "
                                   f"{getattr(pc, name)}): a rank then holds part of each block's tokens")  # fmt: skip
         self._rank_bytes = scheduler_bytes_per_block(kv_cache_config)
+        self._replicas = kv_tp_replicas(vllm_config, kv_cache_config, self._world)  # MLA: one copy per TP group
         self._num_blocks = int(kv_cache_config.num_blocks)
         self._vllm_config = vllm_config
         events = getattr(vllm_config, "kv_events_config", None)
@@ -90,12 +93,13 @@ class SchedulerHalf:
             raise ConfigError(f"tiered_kv: expected a handshake from TP ranks 0..{self._world - 1}, got {sorted(ranks)}")
         for rank, m in ranks.items():
             check_rank_bytes(m.bytes_per_block, self._rank_bytes, rank=rank)
+        check_rank_replicas(ranks, self._replicas)
         shard_layout = KVLayout.from_spec(ranks[0].layout_spec)
         mc = self._vllm_config.model_config
         cfg = resolve_config(self._extra["config"], str(mc.model), getattr(mc, "revision", None),
-                             self._rank_bytes * self._world)  # fmt: skip
+                             self._rank_bytes * storage_ranks(self._world, self._replicas))  # fmt: skip
         self._side = self._loop.call(open_scheduler_cache(cfg, shard_layout, world_size=self._world,
-                                                          engine_id=self._engine_id))  # fmt: skip
+                                                          engine_id=self._engine_id, kv_replicas=self._replicas))  # fmt: skip
         # Every rank attached the segment before its handshake got here: its name can go (issue 25 item 8).
         self._side.segment_mapped_by_all()
         log.info("tiered_kv: scheduler cache over %s, %d ranks x %d bytes per block, %s", self._side.segment_info.path,

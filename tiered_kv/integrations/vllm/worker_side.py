@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import TransferError
 from ...split.worker import ShardCopier
-from ...tiers.segment_geometry import segment_config, segment_info_for
+from ...tiers.segment_geometry import segment_config, segment_info_for, storage_ranks
 from .geometry import worker_layout
 from .meta import TieredKVHandshake, TieredKVMetadata, TieredKVWorkerMeta
+from .replicas import kv_tp_replicas
 
 if TYPE_CHECKING:
     import torch
@@ -62,17 +63,21 @@ class WorkerHalf:
         kcc = self._kv_cache_config
         layout = worker_layout(kv_caches, kcc, self._vllm_config.cache_config.block_size)
         # The segment's geometry from one pure module (tiers/segment_geometry.py), and only the config
-        # sections it needs: the scheduler computes the same from its own numbers.
-        cfg = segment_config(self._extra["config"], group_bytes_per_block=layout.bytes_per_block * self._world)
+        # sections it needs: the scheduler computes the same from its own numbers. Replicated KV (MLA)
+        # is stored once per replica set (replicas.py).
+        replicas = kv_tp_replicas(self._vllm_config, kcc, self._world)
+        stored_bytes = layout.bytes_per_block * storage_ranks(self._world, replicas)
+        cfg = segment_config(self._extra["config"], group_bytes_per_block=stored_bytes)
         copier = ShardCopier(layout, rank=self._rank, world_size=self._world, engine=cfg.transfer.engine,
-                             pin_chunk=cfg.tiers.cpu.pin_chunk)  # fmt: skip
+                             pin_chunk=cfg.tiers.cpu.pin_chunk, kv_replicas=replicas)  # fmt: skip
         try:  # create-or-attach: whoever opens second checks the first one's numbers (LayoutError names both)
-            copier.open(segment_info_for(cfg, layout, world_size=self._world, engine_id=self._engine_id))
+            copier.open(segment_info_for(cfg, layout, world_size=self._world, engine_id=self._engine_id,
+                                         kv_replicas=replicas))  # fmt: skip
         except BaseException:
             copier.close()
             raise
         self._copier = copier
-        self._handshake = TieredKVHandshake(self._rank, layout.bytes_per_block, layout.spec())
+        self._handshake = TieredKVHandshake(self._rank, layout.bytes_per_block, layout.spec(), replicas)
         log.info("tiered_kv: TP rank %d/%d, %d KV regions, %d bytes per block per rank, %d blocks", self._rank,
                  self._world, layout.num_regions, layout.bytes_per_block, layout.num_blocks)  # fmt: skip
 
