@@ -96,9 +96,13 @@ class ShardCopier:
         if info.world_size != self.world_size:
             raise LayoutError(f"the scheduler's segment is for world_size {info.world_size} but this worker is "
                               f"rank {self.rank} of {self.world_size}")  # fmt: skip
-        if info.kv_replicas != self.kv_replicas or info.stores(self.rank) != self.stores:
+        if info.kv_replicas != self.kv_replicas:
             raise LayoutError(f"the segment info is for kv_replicas {info.kv_replicas} (TP ranks holding identical "
                               f"KV, stored once) but TP rank {self.rank} was built for {self.kv_replicas}")  # fmt: skip
+        if info.stores(self.rank) != self.stores:
+            raise LayoutError(f"TP rank {self.rank} {'would' if self.stores else 'would not'} copy stores into its "
+                              f"sub-slab, but in the segment (kv_replicas {info.kv_replicas}) rank "
+                              f"{info.storage_rank_of(self.rank) * info.kv_replicas} alone writes it")  # fmt: skip
         if info.shard_bytes != self.layout.bytes_per_block:
             raise LayoutError(f"TP rank {self.rank}: its KV tensors give {self.layout.bytes_per_block} bytes per block "
                               f"but the segment info says {info.shard_bytes}")  # fmt: skip
