@@ -28,9 +28,11 @@ from ...layout import KVLayout
 from ...split.jobs import STORE
 from ...split.scheduler import open_scheduler_cache
 from .events import HashBook, to_vllm_events
-from .geometry import check_rank_bytes, scheduler_bytes_per_block
+from .geometry import check_rank_bytes, group_bytes_per_block, scheduler_bytes_per_block
+from .groups import FULL, KVGroups
 from .hints import NO_HINTS, RequestHints, hints_of
-from .keys import request_block_keys, salt_of, uses_prompt_embeds
+from .hits import find_hit, touch_hit
+from .keys import group_block_keys, request_block_keys, salt_of, uses_prompt_embeds
 from .loads import LoadBook
 from .meta import TieredKVHandshake, TieredKVMetadata
 from .planning import start_stores
@@ -59,6 +61,11 @@ class SchedulerHalf:
                 raise ConfigError(f"TieredKVConnector does not support context parallelism ({name} = "
                                   f"{getattr(pc, name)}): a rank then holds part of each block's tokens")  # fmt: skip
         self._rank_bytes = scheduler_bytes_per_block(kv_cache_config)
+        self._groups = KVGroups.from_config(kv_cache_config, str(getattr(vllm_config.cache_config,
+                                                                         "mamba_cache_mode", "none")))  # fmt: skip
+        self._group_bytes = {g.index: group_bytes_per_block(kv_cache_config, g.layers) or self._rank_bytes
+                             for g in self._groups.groups}  # fmt: skip
+        self._windowed: set[str] = set()  # requests with window/state stores planned, fenced next step
         self._num_blocks = int(kv_cache_config.num_blocks)
         self._vllm_config = vllm_config
         events = getattr(vllm_config, "kv_events_config", None)
@@ -100,6 +107,9 @@ class SchedulerHalf:
         self._side.segment_mapped_by_all()
         log.info("tiered_kv: scheduler cache over %s, %d ranks x %d bytes per block, %s", self._side.segment_info.path,
                  self._world, self._rank_bytes, self._stats()["cpu"])  # fmt: skip
+        if self._groups.hybrid:
+            log.info("tiered_kv: %d KV cache groups, stored per (block, group): %s", self._groups.num_groups,
+                     self._groups.describe())  # fmt: skip
 
     def _ready(self) -> Any:
         if self._side is None:
@@ -118,8 +128,14 @@ class SchedulerHalf:
         if hints is not NO_HINTS:
             self._hints[rid] = hints
 
-    def _compute_keys(self, rid: str, prompt: list[int]) -> list[bytes]:
-        return request_block_keys(self._ready().keyer, prompt, self._bs, self._salts.get(rid, ()))
+    def _compute_keys(self, rid: str, prompt: list[int]) -> list[list[bytes]]:
+        keyer = self._ready().keyer
+        base = request_block_keys(keyer, prompt, self._bs, self._salts.get(rid, ()))
+        return [group_block_keys(keyer, base, g.salt) for g in self._groups.groups]
+
+    def loaded_group_ids(self) -> tuple[int, ...]:
+        """vLLM's get_loaded_kv_cache_group_ids: a hit restores every group tiered_kv stores."""
+        return self._groups.ids
 
     def matched_tokens(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
         rid = request.request_id
@@ -133,36 +149,34 @@ class SchedulerHalf:
         if max_blocks * self._bs <= num_computed:
             return 0, False
         side = self._ready()
-        keys = self._keys.get(rid, prompt)[:max_blocks]
+        keys = self._keys.get(rid, prompt)
         hints = self._hints.get(rid, NO_HINTS)
-
         first = num_computed // self._bs
 
-        async def run() -> tuple[int, bool, Counter[str]]:
-            # Blocks whose store is in flight count: an async load waits for them (and comes up short if one fails).
-            hit = side.cache.lookup(keys)
-            if hit.total:  # the promised blocks are the last to go
-                side.cache.touch(keys[: hit.total], session=hints.session, expect_followup=hints.expect_followup)
-            # Served in this step only if it can be copied at once: the byte budget is freed by reports
-            # that only later steps bring.
-            in_cpu = hit.cpu == hit.total and side.cache.copies_now(hit.total - first)
-            where = Counter({"cpu": hit.total - first}) if in_cpu else Counter(side.cache.tiers_of(keys[first : hit.total]))
-            return hit.total, in_cpu, where
+        async def run() -> Any:
+            hit = find_hit(side.cache, self._groups, keys, first, max_blocks, self._bs)
+            if hit is not None:
+                touch_hit(side.cache, self._groups, keys, hit, hints.session, hints.expect_followup)
+            return hit
 
         try:
-            hit, in_cpu, where = self._loop.call(run())
+            hit = self._loop.call(run())
         except Exception as exc:
             log.warning("tiered_kv: lookup for %s failed, treating it as a miss: %r", rid, exc)
             return 0, False
-        n = hit * self._bs - num_computed
+        n = 0 if hit is None else hit.boundary * self._bs - num_computed
         if n <= 0:
             return 0, False
-        self._loads.promised(rid, first, in_cpu, where)
-        return n, not in_cpu  # a CPU hit loads in this step (synchronously); anything else asynchronously
+        self._loads.promised(rid, first, hit)
+        # A CPU hit loads in this step (synchronously), when its copy can start at once (the byte budget
+        # is freed by reports only later steps bring); anything else asynchronously.
+        return n, not hit.in_cpu
 
     def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
         keys = self._keys.get(request.request_id, list(request.prompt_token_ids or []))
-        self._loads.start(self._ready(), request.request_id, keys, list(blocks.get_block_ids()[0]), num_external)
+        ids = blocks.get_block_ids()
+        self._loads.start(self._ready(), request.request_id, keys, [list(ids[g.index]) for g in self._groups.groups],
+                          num_external)  # fmt: skip
 
     # -- each step ------------------------------------------------------------------------------
     def build_meta(self, so: Any) -> TieredKVMetadata:
@@ -177,6 +191,7 @@ class SchedulerHalf:
             self.counters["preemptions"] += 1
             self.counters["fenced_preemptions"] += in_flight  # its stores were cancelled or fenced
         self._loads.finish(meta)
+        meta.fence += self._fence_windows()
         stores: list[tuple[Req, Any]] = []
         for new in so.scheduled_new_reqs:
             req = self._admit(new)
@@ -189,7 +204,9 @@ class SchedulerHalf:
                 continue
             new_ids = cached.new_block_ids[i]
             if new_ids is not None:
-                req.block_ids = list(new_ids[0]) if rid in resumed else req.block_ids + list(new_ids[0])
+                for p, g in enumerate(self._groups.groups):
+                    got = list(new_ids[g.index])
+                    req.block_ids[p] = got if rid in resumed else req.block_ids[p] + got
             stores.append((req, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0)))
         self._queue_stores([(r, self._rid_of(r), done) for r, done in stores])
         for rid, futures in list(self._held.items()):
@@ -211,14 +228,16 @@ class SchedulerHalf:
         a preempted request resumed as new): its state and its stores in flight carry over."""
         rid = new.req_id
         prompt = list(new.prompt_token_ids or [])
-        keys = [] if rid in self._no_store else self._keys.get(rid, prompt)
+        groups = self._groups.groups
+        keys = [[] for _ in groups] if rid in self._no_store else self._keys.get(rid, prompt)
+        ids = [list(new.block_ids[g.index]) for g in groups]
         req = self._reqs.get(rid)
         if req is None:
-            req = self._reqs[rid] = Req(prompt, keys, list(new.block_ids[0]), new_tag(rid))
+            req = self._reqs[rid] = Req(prompt, keys, ids, new_tag(rid), next_store=[0] * len(groups))
         else:
-            req.prompt, req.keys, req.block_ids = prompt, keys, list(new.block_ids[0])
+            req.prompt, req.keys, req.block_ids = prompt, keys, ids
             self.counters["readmitted_requests"] += 1
-        req.next_store = max(req.next_store, self._loads.loaded_upto(rid))
+        req.store_from(self._loads.loaded_upto(rid))
         return req
 
     def _fence(self, rid: str) -> list[int]:
@@ -230,10 +249,29 @@ class SchedulerHalf:
             return []
         sent: list[int] = []
         if req.pending_stores():
-            self._side.proxy.cancel_request(req.tag)
-            sent = self._side.proxy.sent_jobs(req.tag, STORE)
+            for tag in filter(None, (req.tag, req.window_tag)):
+                self._side.proxy.cancel_request(tag)
+                sent += self._side.proxy.sent_jobs(tag, STORE)
         req.tag = new_tag(rid)  # a fresh tag: the fenced one refuses every later job
-        req.next_store = 0  # what the fenced stores did not land is stored again (resident blocks dedupe)
+        req.window_tag = ""
+        self._windowed.discard(rid)
+        req.next_store = [0] * len(req.next_store)  # what the fenced stores did not land is stored again
+        return sent
+
+    def _fence_windows(self) -> list[int]:
+        """vLLM frees a window or state group's blocks while the request runs (remove_skipped_blocks, in
+        the schedule that built this step): the stores planned for them last step must land before this
+        step's forward reuses them, and one that never started is refused."""
+        sent: list[int] = []
+        for rid in self._windowed:
+            req = self._reqs.get(rid)
+            if req is None or not req.window_tag:
+                continue
+            self._side.proxy.cancel_request(req.window_tag)
+            sent += self._side.proxy.sent_jobs(req.window_tag, STORE)
+            req.window_tag = ""
+        self._windowed.clear()
+        self.counters["window_fenced_jobs"] += len(sent)
         return sent
 
     def _queue_stores(self, todo: list[tuple[Req, str, int]]) -> None:
@@ -244,17 +282,34 @@ class SchedulerHalf:
         for req, rid, done_tokens in todo:
             if rid in self._no_store:
                 continue
-            end = min(done_tokens, len(req.prompt), len(req.block_ids) * self._bs) // self._bs
-            end = min(end, len(req.keys))
-            if end <= req.next_store:
-                continue
-            start, req.next_store = req.next_store, end
-            keys, prefix, ids = req.keys[start:end], req.keys[:start], req.block_ids[start:end]
             hints = self._hints.get(rid, NO_HINTS)
-            hashes = self._vllm_hashes.get(rid)
-            if hashes is not None and len(hashes) >= end:
-                self._book.remember(keys, hashes[start:end])
-            batch.append((req, req.tag, self._store(side.cache, keys, ids, prefix, hints)))
+            for p, g in enumerate(self._groups.groups):
+                keys, ids = req.keys[p], req.block_ids[p]
+                end = min(done_tokens, len(req.prompt), len(ids) * self._bs) // self._bs
+                end = min(end, len(keys))
+                start = req.next_store[p]
+                if end <= start:
+                    continue
+                req.next_store[p] = end
+                if g.kind == FULL:
+                    idx = list(range(start, end))
+                    if p == 0:
+                        hashes = self._vllm_hashes.get(rid)
+                        if hashes is not None and len(hashes) >= end:
+                            self._book.remember(keys[start:end], hashes[start:end])
+                    prefix = keys[:start]
+                else:  # only what a later hit at this prompt's last boundaries needs (groups.py)
+                    idx = [i for i in self._window_blocks(g, len(req.prompt)) if start <= i < end and ids[i] > 0]
+                    prefix = []
+                    if not idx:
+                        continue
+                    if not req.window_tag:
+                        req.window_tag = new_tag(rid)
+                    self._windowed.add(rid)
+                self.counters[f"stored_{g.kind}_blocks_planned"] += len(idx)
+                tag = req.tag if g.kind == FULL else req.window_tag
+                coro = self._store(side.cache, [keys[i] for i in idx], [ids[i] for i in idx], prefix, hints)
+                batch.append((req, tag, coro))
         if not batch:
             return
         try:
@@ -265,6 +320,12 @@ class SchedulerHalf:
         for (req, _, _), future in zip(batch, futures, strict=True):
             future.add_done_callback(_log_store_failure)
             req.pending_stores().append(future)
+
+    def _window_blocks(self, group: Any, prompt_len: int) -> list[int]:
+        """A window/state group's blocks worth storing: what a hit at the prompt's last boundary needs,
+        the same prompt again (one token short of it) or one that continues it (the whole prompt)."""
+        again, longer = (prompt_len - 1) // self._bs, prompt_len // self._bs
+        return sorted(set(group.needed(again, self._bs)) | set(group.needed(longer, self._bs)))
 
     async def _store(self, cache: Any, keys: list[bytes], ids: list[int], prefix: list[bytes],
                      hints: RequestHints) -> None:  # fmt: skip
@@ -361,7 +422,10 @@ class SchedulerHalf:
         return self._loop.call(run()) if self._side is not None else {}
 
     def report(self) -> dict[str, Any]:
-        return {"counters": dict(self.counters), "stats": self._stats()}
+        groups = [{"group": g.index, "kind": g.kind, "window": g.window, "bytes_per_block": self._group_bytes[g.index]}
+                  for g in self._groups.groups]  # fmt: skip
+        return {"counters": dict(self.counters), "stats": self._stats(), "groups": groups,
+                "kv_cache_groups": self._groups.num_groups}  # fmt: skip
 
     def _maybe_write_stats(self, force: bool = False) -> None:
         if self._side is not None and (force or not self._closed):
