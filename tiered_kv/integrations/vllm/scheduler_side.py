@@ -29,7 +29,7 @@ from ...split.jobs import STORE
 from ...split.scheduler import open_scheduler_cache
 from .events import HashBook, to_vllm_events
 from .geometry import check_rank_bytes, group_bytes_per_block, scheduler_bytes_per_block
-from .groups import FULL, KVGroups
+from .groups import KVGroups
 from .hints import NO_HINTS, RequestHints, hints_of
 from .hits import find_hit, touch_hit
 from .keys import group_block_keys, request_block_keys, salt_of, uses_prompt_embeds
@@ -45,6 +45,7 @@ from .runtime import (
     unpublish_runtime,
 )
 from .stats import StatsFile
+from .stores import StoreBook
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,6 @@ class SchedulerHalf:
                                                                          "mamba_cache_mode", "none")))  # fmt: skip
         self._group_bytes = {g.index: group_bytes_per_block(kv_cache_config, g.layers) or self._rank_bytes
                              for g in self._groups.groups}  # fmt: skip
-        self._windowed: set[str] = set()  # requests with window/state stores planned, fenced next step
         self._num_blocks = int(kv_cache_config.num_blocks)
         self._vllm_config = vllm_config
         events = getattr(vllm_config, "kv_events_config", None)
@@ -75,6 +75,7 @@ class SchedulerHalf:
         self._loop = LoopThread("tiered-kv-scheduler")
         self._side: Any = None  # split.scheduler.SchedulerSide, once the workers' handshake arrived
         self.counters: Counter[str] = Counter()
+        self._store_book = StoreBook(self._groups, self._bs, self.counters)
         self._stats_file = StatsFile(extra.get("stats_file"))
         self._reqs: dict[str, Req] = {}
         self._salts: dict[str, tuple[int, ...]] = {}
@@ -191,7 +192,7 @@ class SchedulerHalf:
             self.counters["preemptions"] += 1
             self.counters["fenced_preemptions"] += in_flight  # its stores were cancelled or fenced
         self._loads.finish(meta)
-        meta.fence += self._fence_windows()
+        meta.fence += self._store_book.fence_windows(side.proxy, self._reqs)
         stores: list[tuple[Req, Any]] = []
         for new in so.scheduled_new_reqs:
             req = self._admit(new)
@@ -241,38 +242,8 @@ class SchedulerHalf:
         return req
 
     def _fence(self, rid: str) -> list[int]:
-        """A preempted request's blocks are free now: no store of them may read them after this step's
-        forward. Its unsent jobs (and any its pending stores submit later) fail at the proxy; the ids of
-        its stores already sent are returned, for the workers to wait for before the forward."""
         req = self._reqs.get(rid)
-        if req is None:
-            return []
-        sent: list[int] = []
-        if req.pending_stores():
-            for tag in filter(None, (req.tag, req.window_tag)):
-                self._side.proxy.cancel_request(tag)
-                sent += self._side.proxy.sent_jobs(tag, STORE)
-        req.tag = new_tag(rid)  # a fresh tag: the fenced one refuses every later job
-        req.window_tag = ""
-        self._windowed.discard(rid)
-        req.next_store = [0] * len(req.next_store)  # what the fenced stores did not land is stored again
-        return sent
-
-    def _fence_windows(self) -> list[int]:
-        """vLLM frees a window or state group's blocks while the request runs (remove_skipped_blocks, in
-        the schedule that built this step): the stores planned for them last step must land before this
-        step's forward reuses them, and one that never started is refused."""
-        sent: list[int] = []
-        for rid in self._windowed:
-            req = self._reqs.get(rid)
-            if req is None or not req.window_tag:
-                continue
-            self._side.proxy.cancel_request(req.window_tag)
-            sent += self._side.proxy.sent_jobs(req.window_tag, STORE)
-            req.window_tag = ""
-        self._windowed.clear()
-        self.counters["window_fenced_jobs"] += len(sent)
-        return sent
+        return [] if req is None else self._store_book.fence(self._side.proxy, req, rid)
 
     def _queue_stores(self, todo: list[tuple[Req, str, int]]) -> None:
         """Plan stores of the prompt blocks each request's forward computes in this step; their jobs
@@ -283,33 +254,11 @@ class SchedulerHalf:
             if rid in self._no_store:
                 continue
             hints = self._hints.get(rid, NO_HINTS)
-            for p, g in enumerate(self._groups.groups):
-                keys, ids = req.keys[p], req.block_ids[p]
-                end = min(done_tokens, len(req.prompt), len(ids) * self._bs) // self._bs
-                end = min(end, len(keys))
-                start = req.next_store[p]
-                if end <= start:
-                    continue
-                req.next_store[p] = end
-                if g.kind == FULL:
-                    idx = list(range(start, end))
-                    if p == 0:
-                        hashes = self._vllm_hashes.get(rid)
-                        if hashes is not None and len(hashes) >= end:
-                            self._book.remember(keys[start:end], hashes[start:end])
-                    prefix = keys[:start]
-                else:  # only what a later hit at this prompt's last boundaries needs (groups.py)
-                    idx = [i for i in self._window_blocks(g, len(req.prompt)) if start <= i < end and ids[i] > 0]
-                    prefix = []
-                    if not idx:
-                        continue
-                    if not req.window_tag:
-                        req.window_tag = new_tag(rid)
-                    self._windowed.add(rid)
-                self.counters[f"stored_{g.kind}_blocks_planned"] += len(idx)
-                tag = req.tag if g.kind == FULL else req.window_tag
-                coro = self._store(side.cache, [keys[i] for i in idx], [ids[i] for i in idx], prefix, hints)
-                batch.append((req, tag, coro))
+            for st in self._store_book.plan(req, rid, done_tokens):
+                hashes = self._vllm_hashes.get(rid)
+                if st.full and hashes is not None and len(hashes) >= st.first + len(st.keys):
+                    self._book.remember(st.keys, hashes[st.first : st.first + len(st.keys)])
+                batch.append((req, st.tag, self._store(side.cache, st.keys, st.block_ids, st.prefix, hints)))
         if not batch:
             return
         try:
@@ -320,12 +269,6 @@ class SchedulerHalf:
         for (req, _, _), future in zip(batch, futures, strict=True):
             future.add_done_callback(_log_store_failure)
             req.pending_stores().append(future)
-
-    def _window_blocks(self, group: Any, prompt_len: int) -> list[int]:
-        """A window/state group's blocks worth storing: what a hit at the prompt's last boundary needs,
-        the same prompt again (one token short of it) or one that continues it (the whole prompt)."""
-        again, longer = (prompt_len - 1) // self._bs, prompt_len // self._bs
-        return sorted(set(group.needed(again, self._bs)) | set(group.needed(longer, self._bs)))
 
     async def _store(self, cache: Any, keys: list[bytes], ids: list[int], prefix: list[bytes],
                      hints: RequestHints) -> None:  # fmt: skip
