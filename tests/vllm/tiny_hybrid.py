@@ -3,7 +3,9 @@
 - ``sw-llama``: a Llama with three sliding-window layers (window 64) and one full-attention layer;
 - ``gemma3``: Gemma 3's text model, the same mix (untied embeddings: tied ones at this init only echo the
   last token);
-- ``qwen3-next``: three linear-attention (Gated DeltaNet, Mamba-style state) layers and one full one.
+- ``qwen3-next``: three linear-attention (Gated DeltaNet, Mamba-style state) layers and one full one;
+- ``deepseek-v2``: MLA (``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64: the 576 the CPU MLA kernel needs),
+  one KV cache group whose KV is identical on every TP rank.
 
 Weights are drawn from N(0, 0.2): the default init gives near-constant greedy tokens, which no wrong KV
 changes.
@@ -46,6 +48,14 @@ def _config(family: str):
                               num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=128,
                               decoder_sparse_step=1)  # fmt: skip
         return cfg, Qwen3NextForCausalLM
+    if family == "deepseek-v2":  # MLA: one latent KV per token, the same on every TP rank
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        cfg = DeepseekV2Config(**{**common, "num_hidden_layers": 2, "num_key_value_heads": 4, "num_attention_heads": 4},
+                               kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+                               q_lora_rank=None, first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
+                               moe_intermediate_size=128, n_shared_experts=1)  # fmt: skip
+        return cfg, DeepseekV2ForCausalLM
     raise ValueError(f"unknown tiny hybrid family {family!r}")
 
 
