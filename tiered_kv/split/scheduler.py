@@ -52,6 +52,7 @@ async def open_scheduler_cache(
     *,
     world_size: int,
     engine_id: str,
+    storage_ranks: int | None = None,
     report_timeout_s: float = 60.0,
     on_job: Callable[[], None] | None = None,
     **cache_kwargs: Any,
@@ -61,10 +62,15 @@ async def open_scheduler_cache(
     ``shard_layout`` is one rank's layout as the scheduler sees it (from vLLM's kv_cache_config: logical
     sizes and num_blocks; unbound). The segment ``<tiers.cpu.shared_path>/tkv-<engine_id>.kv`` is opened
     here (created unless a worker made it first: see ``segment_info_for``); the last process out removes it.
+    ``storage_ranks``: how many ranks' shards a block holds (default ``world_size``; 1 when every rank holds
+    the same KV: one copy in every tier, and each job is still reported by all ``world_size`` ranks).
     """
     cfg = load_config(config)
-    layout = group_layout(shard_layout, world_size)
-    info = segment_info_for(cfg, shard_layout, world_size=world_size, engine_id=engine_id)
+    stored = world_size if storage_ranks is None else storage_ranks
+    if stored not in (1, world_size):
+        raise LayoutError(f"storage_ranks must be 1 or world_size ({world_size}), got {stored}")
+    layout = group_layout(shard_layout, stored)
+    info = segment_info_for(cfg, shard_layout, world_size=stored, engine_id=engine_id)
 
     def slabs(layout: KVLayout, rows: int) -> SharedCpuSlabs:
         if rows != info.num_slots:  # the cache and segment_info_for size the slab with one function
@@ -80,7 +86,8 @@ async def open_scheduler_cache(
         return ProxyCopyEngine(world_size, layout.num_blocks, slabs.num_slots, bytes_per_block=layout.bytes_per_block,
                                report_timeout_s=report_timeout_s, on_job=on_job)  # fmt: skip
 
-    cache = TieredKVCache(cfg, layout, shard_id=group_shard_id(world_size), slabs_factory=slabs,
+    shard_id = group_shard_id(world_size) + ("-replicated" if stored != world_size else "")
+    cache = TieredKVCache(cfg, layout, shard_id=shard_id, slabs_factory=slabs,
                           engine_factory=engine, **cache_kwargs)  # fmt: skip
     await cache.start()
     return SchedulerSide(cache, cache._engine, cache.slabs.segment.info)

@@ -101,6 +101,14 @@ def worker_layout(kv_caches: Mapping[str, torch.Tensor], kv_cache_config: Any, b
     return layout
 
 
+def storage_ranks(kv_cache_config: Any, world_size: int) -> int:
+    """How many TP ranks' shards a block's record holds: 1 when every rank holds identical KV (MLA's latent,
+    a model with fewer KV heads than ranks): vLLM's ``kv_tp_replicas`` equal to the TP size. Then the CPU
+    tier, disk and Redis hold one copy, rank 0 writes it and every rank reads it; otherwise every rank's."""
+    replicas = int(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1)
+    return 1 if world_size > 1 and replicas == world_size else world_size
+
+
 def _dense(t: Any) -> bool:
     return hasattr(t, "is_contiguous") and t.is_contiguous()
 

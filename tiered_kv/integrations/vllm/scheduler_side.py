@@ -28,7 +28,7 @@ from ...layout import KVLayout
 from ...split.jobs import STORE
 from ...split.scheduler import open_scheduler_cache
 from .events import HashBook, to_vllm_events
-from .geometry import check_rank_bytes, group_bytes_per_block, scheduler_bytes_per_block
+from .geometry import check_rank_bytes, group_bytes_per_block, scheduler_bytes_per_block, storage_ranks
 from .groups import KVGroups
 from .hints import NO_HINTS, RequestHints, hints_of
 from .hits import find_hit, touch_hit
@@ -62,6 +62,7 @@ class SchedulerHalf:
                 raise ConfigError(f"TieredKVConnector does not support context parallelism ({name} = "
                                   f"{getattr(pc, name)}): a rank then holds part of each block's tokens")  # fmt: skip
         self._rank_bytes = scheduler_bytes_per_block(kv_cache_config)
+        self._stored_ranks = storage_ranks(kv_cache_config, self._world)  # 1: identical KV on every rank (MLA)
         self._groups = KVGroups.from_config(kv_cache_config, str(getattr(vllm_config.cache_config,
                                                                          "mamba_cache_mode", "none")))  # fmt: skip
         self._group_bytes = {g.index: group_bytes_per_block(kv_cache_config, g.layers) or self._rank_bytes
@@ -101,13 +102,17 @@ class SchedulerHalf:
         shard_layout = KVLayout.from_spec(ranks[0].layout_spec)
         mc = self._vllm_config.model_config
         cfg = resolve_config(self._extra["config"], str(mc.model), getattr(mc, "revision", None),
-                             self._rank_bytes * self._world)  # fmt: skip
+                             self._rank_bytes * self._stored_ranks)  # fmt: skip
         self._side = self._loop.call(open_scheduler_cache(cfg, shard_layout, world_size=self._world,
-                                                          engine_id=self._engine_id))  # fmt: skip
+                                                          engine_id=self._engine_id,
+                                                          storage_ranks=self._stored_ranks))  # fmt: skip
         # Every rank attached the segment before its handshake got here: its name can go (issue 25 item 8).
         self._side.segment_mapped_by_all()
         log.info("tiered_kv: scheduler cache over %s, %d ranks x %d bytes per block, %s", self._side.segment_info.path,
                  self._world, self._rank_bytes, self._stats()["cpu"])  # fmt: skip
+        if self._stored_ranks != self._world:
+            log.info("tiered_kv: every TP rank holds the same KV (kv_tp_replicas = %d): one copy per block in "
+                     "every tier, written by rank 0", self._world)  # fmt: skip
         if self._groups.hybrid:
             log.info("tiered_kv: %d KV cache groups, stored per (block, group): %s", self._groups.num_groups,
                      self._groups.describe())  # fmt: skip
@@ -368,7 +373,7 @@ class SchedulerHalf:
         groups = [{"group": g.index, "kind": g.kind, "window": g.window, "bytes_per_block": self._group_bytes[g.index]}
                   for g in self._groups.groups]  # fmt: skip
         return {"counters": dict(self.counters), "stats": self._stats(), "groups": groups,
-                "kv_cache_groups": self._groups.num_groups}  # fmt: skip
+                "kv_cache_groups": self._groups.num_groups, "stored_ranks": self._stored_ranks}  # fmt: skip
 
     def _maybe_write_stats(self, force: bool = False) -> None:
         if self._side is not None and (force or not self._closed):

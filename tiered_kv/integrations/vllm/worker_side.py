@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from ...errors import TransferError
 from ...split.worker import ShardCopier
 from ...tiers.segment_geometry import segment_config, segment_info_for
-from .geometry import worker_layout
+from .geometry import storage_ranks, worker_layout
 from .meta import TieredKVHandshake, TieredKVMetadata, TieredKVWorkerMeta
 
 if TYPE_CHECKING:
@@ -46,6 +46,7 @@ class WorkerHalf:
         self._extra = extra
         self._rank, self._world = _tp_rank()
         self._copier: ShardCopier | None = None
+        self._writes = True  # False: a rank whose identical KV rank 0 stores (MLA at TP > 1)
         self._handshake: TieredKVHandshake | None = None
         self._meta: TieredKVMetadata | None = None
         self._ok: list[int] = []
@@ -61,13 +62,18 @@ class WorkerHalf:
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         kcc = self._kv_cache_config
         layout = worker_layout(kv_caches, kcc, self._vllm_config.cache_config.block_size)
+        # Identical KV on every rank (MLA): the segment holds one shard, which rank 0 writes and every rank
+        # reads (as the shard of a TP group of one); the other ranks report their stores done uncopied.
+        stored = storage_ranks(kcc, self._world)
+        self._writes = stored == self._world or self._rank == 0
         # The segment's geometry from one pure module (tiers/segment_geometry.py), and only the config
         # sections it needs: the scheduler computes the same from its own numbers.
-        cfg = segment_config(self._extra["config"], group_bytes_per_block=layout.bytes_per_block * self._world)
-        copier = ShardCopier(layout, rank=self._rank, world_size=self._world, engine=cfg.transfer.engine,
+        cfg = segment_config(self._extra["config"], group_bytes_per_block=layout.bytes_per_block * stored)
+        shard = self._rank if stored == self._world else 0
+        copier = ShardCopier(layout, rank=shard, world_size=stored, engine=cfg.transfer.engine,
                              pin_chunk=cfg.tiers.cpu.pin_chunk)  # fmt: skip
         try:  # create-or-attach: whoever opens second checks the first one's numbers (LayoutError names both)
-            copier.open(segment_info_for(cfg, layout, world_size=self._world, engine_id=self._engine_id))
+            copier.open(segment_info_for(cfg, layout, world_size=stored, engine_id=self._engine_id))
         except BaseException:
             copier.close()
             raise
@@ -123,7 +129,10 @@ class WorkerHalf:
         """wait_for_save: the step's forwards have written their blocks; issue the stores that read them."""
         meta = self._meta
         if self._copier is not None and meta is not None and meta.store_jobs:
-            self._copier.submit(meta.store_jobs)
+            if self._writes:
+                self._copier.submit(meta.store_jobs)
+            else:  # rank 0 writes the one copy of this identical KV; this rank acknowledges the job
+                self._ok += [j.job_id for j in meta.store_jobs]
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         self._finished_seen |= finished_req_ids & self._held
