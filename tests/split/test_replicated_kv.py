@@ -89,7 +89,8 @@ def test_both_sides_size_a_replicated_segment_alike_and_half_as_large_per_block(
     assert group_layout(layout, WORLD, WORLD).bytes_per_block == SHARD
     assert group_layout(layout, WORLD, WORLD).digest == group_layout(layout, 1).digest  # one rank's regions
     assert group_shard_id(WORLD) == "tp-group-of2"  # unchanged: old disk tiers keep their namespace
-    assert group_shard_id(WORLD, WORLD) == "tp-group-of2-stored1"
+    assert group_shard_id(WORLD, WORLD) == "tp-group-of2-replicated"
+    assert group_shard_id(4, 2) == "tp-group-of4-stored2"
     cfg = {"model": {"model_id": "m", "bytes_per_block": SHARD},
            "tiers": {"cpu": {"capacity": 40 * SHARD, "shared_path": str(tmp_path)}, "disk": {"enabled": False}}}  # fmt: skip
     mla = segment_info_for(cfg, layout, world_size=WORLD, engine_id="g", kv_replicas=WORLD)
@@ -213,7 +214,7 @@ async def test_scheduler_cache_holds_one_copy_in_cpu_and_on_disk(tmp_path):
         assert [c.skipped_stores for c in cs] == [0, 3]  # rank 1 acknowledged every store job, copied none
         ns = next((tmp_path / "disk").glob("ns-*"))
         meta = json.loads((ns / "namespace.json").read_text())
-        assert meta["bytes_per_block"] == SHARD and meta["shard"] == "tp-group-of2-stored1"
+        assert meta["bytes_per_block"] == SHARD and meta["shard"] == "tp-group-of2-replicated"
         assert meta["record_size"] == round_up(128 + SHARD, 4096)  # one rank's shard and a record header
         for kv in kvs:
             for t in kv.values():

@@ -4,7 +4,7 @@ Not a test (run by hand, ~1 min per engine on 2 cores)::
 
     .venv-vllm/bin/python tests/vllm/bench_mla_bytes.py [--before PYTHONPATH_OF_AN_OLDER_CHECKOUT]
 
-Builds the tiny random-weight DeepSeek-V2 of the tests (2 layers, latent 576, bfloat16), runs vLLM at TP=2
+Builds the tiny random-weight DeepSeek-V2 of the tests (tiny_hybrid.py: 2 layers, latent 576, bfloat16), runs vLLM at TP=2
 with the connector (PROMPT_A, reset, PROMPT_B) and reads what the engine really used: the scheduler cache's
 bytes per block and CPU slots, the disk namespace's record size and file, the bytes copied GPU->CPU per
 stored block. The segment's size comes from tiers/segment_geometry.py (the function both halves size it
@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent.parent))
 
 from conftest import PROMPT_A, PROMPT_B, cache_config  # noqa: E402
-from tiny_model import make_tiny_deepseek_v2  # noqa: E402
+from tiny_hybrid import make_tiny_hybrid  # noqa: E402
 
 TP = 2
 
@@ -73,7 +73,7 @@ def main() -> None:
     ap.add_argument("--before", help="PYTHONPATH of a tiered_kv that stores a copy per rank (measured column)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="tkv-mla-bench-"))
-    model = str(make_tiny_deepseek_v2(tmp / "dsv2"))
+    model = str(make_tiny_hybrid(tmp / "dsv2", "deepseek-v2", dtype="bfloat16"))
     after = run(model, tmp / "after", str(HERE.parent.parent))
     rank_bytes = after["cache_bytes_per_block"]  # one stored copy: one rank's bytes
     after["segment_bytes_per_block"] = segment_bytes_per_block(rank_bytes, TP)

@@ -7,7 +7,7 @@ tiered_kv config (absent: no connector, the baseline) and the steps:
 ``{"reset": true}`` (llm.reset_prefix_cache()) or ``{"concurrent": [[ids...], ...]}``
 (all at once through AsyncLLM; the spec then sets ``"async": true``).
 ``"hold": true`` prints the report and then sleeps with the engine alive (to be killed).
-``"tp": 2`` runs tensor parallel (two worker processes); ``"env"`` sets
+``"dtype"`` and ``"engine"`` (more engine arguments) shape the engine; ``"tp": 2`` runs tensor parallel (two worker processes); ``"env"`` sets
 variables before vLLM is imported (nothing is overridden otherwise: vLLM's default
 engine, its EngineCore in another process). The connector's counters and its
 cache's stats come from ``stats_file``, which the scheduler half writes as the
@@ -33,8 +33,9 @@ def engine_args(spec: dict) -> dict:
     from vllm.config import KVTransferConfig
 
     args = dict(model=spec["model"], enforce_eager=True, block_size=32, max_model_len=1024,
-                skip_tokenizer_init=True, dtype="bfloat16", seed=0, disable_log_stats=not spec.get("log_stats"),
-                tensor_parallel_size=spec.get("tp", 1))  # fmt: skip
+                skip_tokenizer_init=True, dtype=spec.get("dtype", "bfloat16"), seed=0,
+                disable_log_stats=not spec.get("log_stats"), tensor_parallel_size=spec.get("tp", 1))  # fmt: skip
+    args.update(spec.get("engine", {}))  # any other engine argument (e.g. mamba_cache_mode)
     if spec.get("prompt_embeds"):
         args["enable_prompt_embeds"] = True
     for key, arg in (("max_num_seqs", "max_num_seqs"), ("num_gpu_blocks", "num_gpu_blocks_override"),

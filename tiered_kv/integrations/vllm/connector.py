@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from ...errors import ConfigError
@@ -30,7 +31,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class TieredKVConnector(KVConnectorBase_V1):
+class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
+    """SupportsHMA: vLLM keeps its hybrid allocator on; every hook takes block ids per KV cache group."""
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped store is a future miss, not a lost hand-off
@@ -48,9 +51,6 @@ class TieredKVConnector(KVConnectorBase_V1):
                 f"kv_transfer_config.kv_load_failure_policy is {policy!r}: TieredKVConnector needs 'recompute', "
                 "so a block that fails to load (evicted, corrupt) is recomputed instead of failing the request"
             )
-        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-        if len(groups) > 1:
-            raise ConfigError(f"TieredKVConnector supports one KV cache group; this model has {len(groups)}")
         extra = dict(ktc.kv_connector_extra_config or {})
         if "config" not in extra:
             raise ConfigError("kv_connector_extra_config.config: give a tiered_kv YAML path or an inline dict")
@@ -119,6 +119,13 @@ class TieredKVConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched.request_finished(request), None
+
+    def request_finished_all_groups(self, request: Any,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:  # fmt: skip
+        return self._sched.request_finished(request), None  # True holds every group's blocks
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        return self._sched.loaded_group_ids() if self._sched is not None else ()
 
     def take_events(self) -> list[Any]:
         return self._sched.take_events() if self._sched is not None else []

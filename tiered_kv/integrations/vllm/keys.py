@@ -92,3 +92,12 @@ def request_block_keys(
         parent = keyer.chain(parent, block)
         keys.append(parent)
     return keys
+
+
+def group_block_keys(keyer: BlockKeyer, keys: Sequence[bytes], group_salt: Sequence[int]) -> list[bytes]:
+    """The keys of one KV cache group's blocks: each block key chained with the group's salt (its kind and
+    layer names), so groups never share a key; ``()`` (a model with one group) keeps the block keys."""
+    if not group_salt:
+        return list(keys)
+    salt = np.asarray(group_salt, dtype="<i8")
+    return [keyer.chain(k, salt) for k in keys]

@@ -5,6 +5,9 @@ goes on (planning.start_sync_load) and rides in this step's metadata, its promis
 loads are load errors in this same step. Any other hit is an asynchronous load that vLLM waits for
 (WAITING_FOR_REMOTE_KVS) until a later step reports it. A load that came up short caps what a retry of
 the request is promised (a load that keeps failing would otherwise be promised again forever).
+
+A hybrid model's hit loads a range of blocks per KV cache group (hits.py) under one tag: one load per
+group, and a synchronous one is served only when every group's job is queued in this step.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from .hits import Hit
 from .meta import TieredKVMetadata
-from .planning import run_tagged, start_sync_load
+from .planning import gather_loads, run_tagged, start_sync_load
 from .requests import new_tag
 
 log = logging.getLogger(__name__)
@@ -25,15 +29,16 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Load:
     start: int  # first block of the request the load covers
-    block_ids: list[int]
-    future: concurrent.futures.Future
+    block_ids: list[list[int]]  # per group
+    future: concurrent.futures.Future  # blocks landed: an int (one group) or one per group
     sync: bool  # served in the step it was planned: vLLM waits for no finished_recving
+    boundary: int  # blocks computed once it all landed
 
 
 @dataclass
 class _Asked:
-    start: int  # first block a hit answered this step would load
-    sync: bool
+    first: int  # the blocks vLLM computed itself
+    hit: Hit
 
 
 class LoadBook:
@@ -59,38 +64,51 @@ class LoadBook:
     def cap(self, rid: str, max_blocks: int) -> int:
         return min(max_blocks, self._cap.get(rid, max_blocks))
 
-    def promised(self, rid: str, first: int, in_cpu: bool, where: Counter[str]) -> None:
-        """A hit was answered: blocks from ``first`` on, all in the CPU tier (synchronous) or not."""
-        self._asked[rid] = _Asked(first, in_cpu)
-        self._sources[rid] = where
+    def promised(self, rid: str, first: int, hit: Hit) -> None:
+        """A hit was answered: its blocks past ``first``, all in the CPU tier (synchronous) or not."""
+        self._asked[rid] = _Asked(first, hit)
+        self._sources[rid] = hit.where
 
-    def start(self, side: Any, rid: str, keys: list[bytes], block_ids: list[int], num_external: int) -> None:
-        """update_state_after_alloc: start the load of what this step's answer promised."""
+    def start(self, side: Any, rid: str, keys: list[list[bytes]], block_ids: list[list[int]],
+              num_external: int) -> None:  # fmt: skip
+        """update_state_after_alloc: start the load of what this step's answer promised.
+
+        ``keys`` and ``block_ids`` per group (block ids in vLLM's table of that group)."""
         asked = self._asked.pop(rid, None)
         if num_external <= 0 or asked is None:
             return
-        start = asked.start
-        n = num_external // self._bs
-        ids, keys = block_ids[start : start + n], keys[start : start + n]
-        tag = new_tag(f"{rid}:load")
-        if not asked.sync:
-            future = self._loop.submit(run_tagged(tag, side.cache.load(keys, ids)))
-            self._loads[rid] = _Load(start, ids, future, sync=False)
+        start, hit = asked.first, asked.hit
+        if start + num_external // self._bs != hit.boundary:
+            log.warning("tiered_kv: %s: vLLM admitted %d external tokens, not the %d promised; no load", rid,
+                        num_external, (hit.boundary - start) * self._bs)  # fmt: skip
             return
-        try:
-            future, planned = self._loop.call(start_sync_load(side.proxy, tag, side.cache.load(keys, ids), len(ids)))
+        ids = [block_ids[p][a:b] for p, (a, b) in enumerate(hit.ranges)]
+        one = len(hit.ranges) == 1
+        loads = [side.cache.load(keys[p][a:b], ids[p]) for p, (a, b) in enumerate(hit.ranges) if b > a or one]
+        load = loads[0] if one else gather_loads(loads)
+        if not one:  # a group with nothing to load (all of its range computed by vLLM) landed nothing
+            ids = [g for g, (a, b) in zip(ids, hit.ranges, strict=True) if b > a]
+        flat = [b for group in ids for b in group]
+        tag = new_tag(f"{rid}:load")
+        if not hit.in_cpu:
+            future = self._loop.submit(run_tagged(tag, load))
+            self._loads[rid] = _Load(start, ids, future, False, hit.boundary)
+            return
+        try:  # one group may load a leading part; several load all or nothing (each group's range is needed)
+            future, planned = self._loop.call(start_sync_load(side.proxy, tag, load, len(flat), all_or_none=not one))
         except Exception as exc:
             log.warning("tiered_kv: a synchronous load for %s could not start: %r", rid, exc)
             future, planned = None, 0
-        self._sync_errors += ids[planned:]
+        self._sync_errors += flat[planned:]
         self._counters["sync_loads"] += 1
-        self._counters["load_error_blocks"] += len(ids) - planned
-        if planned < len(ids):
-            self._cap[rid] = start + planned
-        self._loaded_upto[rid] = start + planned
+        self._counters["load_error_blocks"] += len(flat) - planned
+        upto = start + planned if one else (hit.boundary if planned else start)
+        if upto < hit.boundary:
+            self._cap[rid] = upto
+        self._loaded_upto[rid] = upto
         if future is not None:
             self._sync_tags.add(tag)
-            self._loads[rid] = _Load(start, ids[:planned], future, sync=True)
+            self._loads[rid] = _Load(start, [flat[:planned]] if one else ids, future, True, upto)
 
     def finish(self, meta: TieredKVMetadata) -> None:
         """Loads that returned since the last step: counted; an async one's outcome goes to the workers."""
@@ -98,19 +116,25 @@ class LoadBook:
             if not load.future.done():
                 continue
             del self._loads[rid]
+            wanted = sum(len(ids) for ids in load.block_ids)
             try:
-                n = int(load.future.result())
+                got = load.future.result()
+                landed = [int(got)] if isinstance(got, int) else [int(n) for n in got]
             except BaseException as exc:  # vLLM recomputes what we did not land
-                log.warning("tiered_kv: load of %d blocks for %s failed: %r", len(load.block_ids), rid, exc)
-                n = 0
-            self._counters["loaded_blocks"] += n
-            if n < len(load.block_ids):
-                self._cap[rid] = load.start + n  # a retry recomputes instead of being promised them again
+                log.warning("tiered_kv: load of %d blocks for %s failed: %r", wanted, rid, exc)
+                landed = [0] * len(load.block_ids)
+            self._counters["loaded_blocks"] += sum(landed)
+            short = [ids[n:] for ids, n in zip(load.block_ids, landed, strict=True)]
+            # One group: the blocks landed are a prefix of it. Several: a group short of its range
+            # leaves the hit unusable past ``start`` (vLLM recomputes from its first missing block).
+            upto = load.start + landed[0] if len(landed) == 1 else (load.start if any(short) else load.boundary)
+            if upto < load.boundary:
+                self._cap[rid] = upto  # a retry recomputes instead of being promised them again
             if load.sync:
                 continue  # the workers reported their own copy failures in the step it ran
-            self._counters["load_error_blocks"] += len(load.block_ids) - n
-            meta.loads_done[rid] = load.block_ids[n:]
-            self._loaded_upto[rid] = load.start + n
+            self._counters["load_error_blocks"] += sum(map(len, short))
+            meta.loads_done[rid] = [b for ids in short for b in ids]
+            self._loaded_upto[rid] = upto
 
     def close_step(self, meta: TieredKVMetadata) -> None:
         """The step's jobs are in ``meta``: mark its synchronous loads and errors, forget its answers."""

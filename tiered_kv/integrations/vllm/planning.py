@@ -59,18 +59,29 @@ async def run_tagged(tag: str, coro: Awaitable[Any]) -> Any:
     return await start_tagged(tag, coro)
 
 
-async def start_sync_load(proxy: ProxyCopyEngine, tag: str, load: Awaitable[int],
-                          n_blocks: int) -> tuple[concurrent.futures.Future | None, int]:  # fmt: skip
+async def gather_loads(loads: Sequence[Awaitable[int]]) -> list[int]:
+    """Several groups' loads as one: the blocks each landed (a failed one landed none)."""
+    out = await asyncio.gather(*loads, return_exceptions=True)
+    return [0 if isinstance(n, BaseException) else int(n) for n in out]
+
+
+async def start_sync_load(proxy: ProxyCopyEngine, tag: str, load: Awaitable[Any], n_blocks: int, *,
+                          all_or_none: bool = False) -> tuple[concurrent.futures.Future | None, int]:  # fmt: skip
     """Start a load of CPU-resident blocks and return once its job is queued: (outcome, blocks planned).
 
     Blocks past the planned ones are never loaded (the tag is sealed: a later chunk's job fails at
     submit), so the caller reports them as load errors in this step. When no job could be queued at
     once (a block left the CPU tier since the lookup, the byte budget is held by copies in flight), the
-    load is cancelled and 0 blocks are planned.
+    load is cancelled and 0 blocks are planned. ``all_or_none``: unless every block's job is queued,
+    none is kept (the queued ones are failed unsent): several groups' ranges are needed together.
     """
     task = start_tagged(tag, load)
-    await _spin(lambda: task.done() or proxy.queued_blocks(tag) > 0)
+    enough = n_blocks if all_or_none else 1
+    await _spin(lambda: task.done() or proxy.queued_blocks(tag) >= enough)
     planned = min(proxy.queued_blocks(tag), n_blocks)
+    if all_or_none and planned < n_blocks:
+        proxy.cancel_request(tag)
+        planned = 0
     proxy.seal_request(tag)
     if planned == 0:
         # Never wait for it here: what it waits for (room, the byte budget) is freed by the workers'

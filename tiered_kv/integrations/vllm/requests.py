@@ -9,6 +9,11 @@ as a new one, and a client may reuse an id after the first finished. So:
 - every job tag is ``<id>#<n>`` with ``n`` from one counter for the whole scheduler, never reset, so a
   tag fenced at a preemption (its later jobs refused) is never handed to a later incarnation;
 - keys are recomputed when the prompt changed (a streaming chunk appends to it).
+
+Keys, block ids and the store cursor are kept per KV cache group tiered_kv stores (groups.py), in the
+order of ``KVGroups.groups``. Stores of groups that keep only a window or a state (not the prefix) carry
+a tag of their own: vLLM frees those blocks while the request runs, so the scheduler fences them at the
+next step and refuses any that did not start (scheduler_side._fence_windows).
 """
 
 from __future__ import annotations
@@ -30,11 +35,16 @@ class Req:
     """One request id's state in the scheduler half."""
 
     prompt: list[int]
-    keys: list[bytes]  # of every full prompt block
-    block_ids: list[int]
+    keys: list[list[bytes]]  # per group: the key of every full prompt block
+    block_ids: list[list[int]]  # per group: vLLM's block ids, by block index
     tag: str
-    next_store: int = 0  # first block not yet queued for a store (or known resident)
+    window_tag: str = ""  # the stores of window/state groups (empty: none planned since the last fence)
+    next_store: list[int] = field(default_factory=list)  # per group: first block not yet queued for a store
     stores: list[concurrent.futures.Future] = field(default_factory=list)  # in flight, over every incarnation
+
+    def store_from(self, upto: int) -> None:
+        """Nothing before block ``upto`` needs storing (it was loaded, or is resident)."""
+        self.next_store = [max(n, upto) for n in self.next_store] or [upto] * len(self.keys)
 
     def pending_stores(self) -> list[concurrent.futures.Future]:
         self.stores = [f for f in self.stores if not f.done()]
@@ -42,13 +52,13 @@ class Req:
 
 
 class KeyCache:
-    """Keys of a request's full prompt blocks, computed once per prompt (recomputed when it grows)."""
+    """Keys of a request's full prompt blocks per group, computed once per prompt (again when it grows)."""
 
-    def __init__(self, compute: Callable[[str, list[int]], list[bytes]]) -> None:
+    def __init__(self, compute: Callable[[str, list[int]], list[list[bytes]]]) -> None:
         self._compute = compute
-        self._keys: dict[str, tuple[int, list[bytes]]] = {}
+        self._keys: dict[str, tuple[int, list[list[bytes]]]] = {}
 
-    def get(self, rid: str, prompt: list[int]) -> list[bytes]:
+    def get(self, rid: str, prompt: list[int]) -> list[list[bytes]]:
         cached = self._keys.get(rid)
         if cached is not None and cached[0] == len(prompt):
             return cached[1]

@@ -27,11 +27,12 @@ from ...errors import ConfigError
 from ...layout import KVLayout
 from ...split.jobs import STORE
 from ...split.scheduler import open_scheduler_cache
-from ...tiers.segment_geometry import storage_ranks
 from .events import HashBook, to_vllm_events
-from .geometry import check_rank_bytes, scheduler_bytes_per_block
+from .geometry import check_rank_bytes, group_bytes_per_block, scheduler_bytes_per_block
+from .groups import KVGroups
 from .hints import NO_HINTS, RequestHints, hints_of
-from .keys import request_block_keys, salt_of, uses_prompt_embeds
+from .hits import find_hit, touch_hit
+from .keys import group_block_keys, request_block_keys, salt_of, uses_prompt_embeds
 from .loads import LoadBook
 from .meta import TieredKVHandshake, TieredKVMetadata
 from .planning import start_stores
@@ -45,6 +46,7 @@ from .runtime import (
     unpublish_runtime,
 )
 from .stats import StatsFile
+from .stores import StoreBook
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,11 @@ class SchedulerHalf:
                                   f"{getattr(pc, name)}): a rank then holds part of each block's tokens")  # fmt: skip
         self._rank_bytes = scheduler_bytes_per_block(kv_cache_config)
         self._replicas = kv_tp_replicas(vllm_config, kv_cache_config, self._world)  # MLA: one copy per TP group
+        self._stored_ranks = self._world // self._replicas  # TP ranks' shards a block stores (it divides)
+        self._groups = KVGroups.from_config(kv_cache_config, str(getattr(vllm_config.cache_config,
+                                                                         "mamba_cache_mode", "none")))  # fmt: skip
+        self._group_bytes = {g.index: group_bytes_per_block(kv_cache_config, g.layers) or self._rank_bytes
+                             for g in self._groups.groups}  # fmt: skip
         self._num_blocks = int(kv_cache_config.num_blocks)
         self._vllm_config = vllm_config
         events = getattr(vllm_config, "kv_events_config", None)
@@ -71,6 +78,7 @@ class SchedulerHalf:
         self._loop = LoopThread("tiered-kv-scheduler")
         self._side: Any = None  # split.scheduler.SchedulerSide, once the workers' handshake arrived
         self.counters: Counter[str] = Counter()
+        self._store_book = StoreBook(self._groups, self._bs, self.counters)
         self._stats_file = StatsFile(extra.get("stats_file"))
         self._reqs: dict[str, Req] = {}
         self._salts: dict[str, tuple[int, ...]] = {}
@@ -97,13 +105,20 @@ class SchedulerHalf:
         shard_layout = KVLayout.from_spec(ranks[0].layout_spec)
         mc = self._vllm_config.model_config
         cfg = resolve_config(self._extra["config"], str(mc.model), getattr(mc, "revision", None),
-                             self._rank_bytes * storage_ranks(self._world, self._replicas))  # fmt: skip
+                             self._rank_bytes * self._stored_ranks)  # fmt: skip
         self._side = self._loop.call(open_scheduler_cache(cfg, shard_layout, world_size=self._world,
-                                                          engine_id=self._engine_id, kv_replicas=self._replicas))  # fmt: skip
+                                                          engine_id=self._engine_id,
+                                                          kv_replicas=self._replicas))  # fmt: skip
         # Every rank attached the segment before its handshake got here: its name can go (issue 25 item 8).
         self._side.segment_mapped_by_all()
         log.info("tiered_kv: scheduler cache over %s, %d ranks x %d bytes per block, %s", self._side.segment_info.path,
                  self._world, self._rank_bytes, self._stats()["cpu"])  # fmt: skip
+        if self._stored_ranks != self._world:
+            log.info("tiered_kv: %d consecutive TP ranks hold the same KV (kv_tp_replicas): %d copy(ies) per "
+                     "block in every tier, written by the first rank of each", self._replicas, self._stored_ranks)  # fmt: skip
+        if self._groups.hybrid:
+            log.info("tiered_kv: %d KV cache groups, stored per (block, group): %s", self._groups.num_groups,
+                     self._groups.describe())  # fmt: skip
 
     def _ready(self) -> Any:
         if self._side is None:
@@ -122,8 +137,14 @@ class SchedulerHalf:
         if hints is not NO_HINTS:
             self._hints[rid] = hints
 
-    def _compute_keys(self, rid: str, prompt: list[int]) -> list[bytes]:
-        return request_block_keys(self._ready().keyer, prompt, self._bs, self._salts.get(rid, ()))
+    def _compute_keys(self, rid: str, prompt: list[int]) -> list[list[bytes]]:
+        keyer = self._ready().keyer
+        base = request_block_keys(keyer, prompt, self._bs, self._salts.get(rid, ()))
+        return [group_block_keys(keyer, base, g.salt) for g in self._groups.groups]
+
+    def loaded_group_ids(self) -> tuple[int, ...]:
+        """vLLM's get_loaded_kv_cache_group_ids: a hit restores every group tiered_kv stores."""
+        return self._groups.ids
 
     def matched_tokens(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
         rid = request.request_id
@@ -137,36 +158,34 @@ class SchedulerHalf:
         if max_blocks * self._bs <= num_computed:
             return 0, False
         side = self._ready()
-        keys = self._keys.get(rid, prompt)[:max_blocks]
+        keys = self._keys.get(rid, prompt)
         hints = self._hints.get(rid, NO_HINTS)
-
         first = num_computed // self._bs
 
-        async def run() -> tuple[int, bool, Counter[str]]:
-            # Blocks whose store is in flight count: an async load waits for them (and comes up short if one fails).
-            hit = side.cache.lookup(keys)
-            if hit.total:  # the promised blocks are the last to go
-                side.cache.touch(keys[: hit.total], session=hints.session, expect_followup=hints.expect_followup)
-            # Served in this step only if it can be copied at once: the byte budget is freed by reports
-            # that only later steps bring.
-            in_cpu = hit.cpu == hit.total and side.cache.copies_now(hit.total - first)
-            where = Counter({"cpu": hit.total - first}) if in_cpu else Counter(side.cache.tiers_of(keys[first : hit.total]))
-            return hit.total, in_cpu, where
+        async def run() -> Any:
+            hit = find_hit(side.cache, self._groups, keys, first, max_blocks, self._bs)
+            if hit is not None:
+                touch_hit(side.cache, self._groups, keys, hit, hints.session, hints.expect_followup)
+            return hit
 
         try:
-            hit, in_cpu, where = self._loop.call(run())
+            hit = self._loop.call(run())
         except Exception as exc:
             log.warning("tiered_kv: lookup for %s failed, treating it as a miss: %r", rid, exc)
             return 0, False
-        n = hit * self._bs - num_computed
+        n = 0 if hit is None else hit.boundary * self._bs - num_computed
         if n <= 0:
             return 0, False
-        self._loads.promised(rid, first, in_cpu, where)
-        return n, not in_cpu  # a CPU hit loads in this step (synchronously); anything else asynchronously
+        self._loads.promised(rid, first, hit)
+        # A CPU hit loads in this step (synchronously), when its copy can start at once (the byte budget
+        # is freed by reports only later steps bring); anything else asynchronously.
+        return n, not hit.in_cpu
 
     def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
         keys = self._keys.get(request.request_id, list(request.prompt_token_ids or []))
-        self._loads.start(self._ready(), request.request_id, keys, list(blocks.get_block_ids()[0]), num_external)
+        ids = blocks.get_block_ids()
+        self._loads.start(self._ready(), request.request_id, keys, [list(ids[g.index]) for g in self._groups.groups],
+                          num_external)  # fmt: skip
 
     # -- each step ------------------------------------------------------------------------------
     def build_meta(self, so: Any) -> TieredKVMetadata:
@@ -181,6 +200,7 @@ class SchedulerHalf:
             self.counters["preemptions"] += 1
             self.counters["fenced_preemptions"] += in_flight  # its stores were cancelled or fenced
         self._loads.finish(meta)
+        meta.fence += self._store_book.fence_windows(side.proxy, self._reqs)
         stores: list[tuple[Req, Any]] = []
         for new in so.scheduled_new_reqs:
             req = self._admit(new)
@@ -193,7 +213,9 @@ class SchedulerHalf:
                 continue
             new_ids = cached.new_block_ids[i]
             if new_ids is not None:
-                req.block_ids = list(new_ids[0]) if rid in resumed else req.block_ids + list(new_ids[0])
+                for p, g in enumerate(self._groups.groups):
+                    got = list(new_ids[g.index])
+                    req.block_ids[p] = got if rid in resumed else req.block_ids[p] + got
             stores.append((req, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0)))
         self._queue_stores([(r, self._rid_of(r), done) for r, done in stores])
         for rid, futures in list(self._held.items()):
@@ -215,30 +237,21 @@ class SchedulerHalf:
         a preempted request resumed as new): its state and its stores in flight carry over."""
         rid = new.req_id
         prompt = list(new.prompt_token_ids or [])
-        keys = [] if rid in self._no_store else self._keys.get(rid, prompt)
+        groups = self._groups.groups
+        keys = [[] for _ in groups] if rid in self._no_store else self._keys.get(rid, prompt)
+        ids = [list(new.block_ids[g.index]) for g in groups]
         req = self._reqs.get(rid)
         if req is None:
-            req = self._reqs[rid] = Req(prompt, keys, list(new.block_ids[0]), new_tag(rid))
+            req = self._reqs[rid] = Req(prompt, keys, ids, new_tag(rid), next_store=[0] * len(groups))
         else:
-            req.prompt, req.keys, req.block_ids = prompt, keys, list(new.block_ids[0])
+            req.prompt, req.keys, req.block_ids = prompt, keys, ids
             self.counters["readmitted_requests"] += 1
-        req.next_store = max(req.next_store, self._loads.loaded_upto(rid))
+        req.store_from(self._loads.loaded_upto(rid))
         return req
 
     def _fence(self, rid: str) -> list[int]:
-        """A preempted request's blocks are free now: no store of them may read them after this step's
-        forward. Its unsent jobs (and any its pending stores submit later) fail at the proxy; the ids of
-        its stores already sent are returned, for the workers to wait for before the forward."""
         req = self._reqs.get(rid)
-        if req is None:
-            return []
-        sent: list[int] = []
-        if req.pending_stores():
-            self._side.proxy.cancel_request(req.tag)
-            sent = self._side.proxy.sent_jobs(req.tag, STORE)
-        req.tag = new_tag(rid)  # a fresh tag: the fenced one refuses every later job
-        req.next_store = 0  # what the fenced stores did not land is stored again (resident blocks dedupe)
-        return sent
+        return [] if req is None else self._store_book.fence(self._side.proxy, req, rid)
 
     def _queue_stores(self, todo: list[tuple[Req, str, int]]) -> None:
         """Plan stores of the prompt blocks each request's forward computes in this step; their jobs
@@ -248,17 +261,12 @@ class SchedulerHalf:
         for req, rid, done_tokens in todo:
             if rid in self._no_store:
                 continue
-            end = min(done_tokens, len(req.prompt), len(req.block_ids) * self._bs) // self._bs
-            end = min(end, len(req.keys))
-            if end <= req.next_store:
-                continue
-            start, req.next_store = req.next_store, end
-            keys, prefix, ids = req.keys[start:end], req.keys[:start], req.block_ids[start:end]
             hints = self._hints.get(rid, NO_HINTS)
-            hashes = self._vllm_hashes.get(rid)
-            if hashes is not None and len(hashes) >= end:
-                self._book.remember(keys, hashes[start:end])
-            batch.append((req, req.tag, self._store(side.cache, keys, ids, prefix, hints)))
+            for st in self._store_book.plan(req, rid, done_tokens):
+                hashes = self._vllm_hashes.get(rid)
+                if st.full and hashes is not None and len(hashes) >= st.first + len(st.keys):
+                    self._book.remember(st.keys, hashes[st.first : st.first + len(st.keys)])
+                batch.append((req, st.tag, self._store(side.cache, st.keys, st.block_ids, st.prefix, hints)))
         if not batch:
             return
         try:
@@ -365,7 +373,10 @@ class SchedulerHalf:
         return self._loop.call(run()) if self._side is not None else {}
 
     def report(self) -> dict[str, Any]:
-        return {"counters": dict(self.counters), "stats": self._stats()}
+        groups = [{"group": g.index, "kind": g.kind, "window": g.window, "bytes_per_block": self._group_bytes[g.index]}
+                  for g in self._groups.groups]  # fmt: skip
+        return {"counters": dict(self.counters), "stats": self._stats(), "groups": groups,
+                "kv_cache_groups": self._groups.num_groups, "stored_ranks": self._stored_ranks}  # fmt: skip
 
     def _maybe_write_stats(self, force: bool = False) -> None:
         if self._side is not None and (force or not self._closed):

@@ -128,7 +128,7 @@ class WorkerHalf:
         """wait_for_save: the step's forwards have written their blocks; issue the stores that read them."""
         meta = self._meta
         if self._copier is not None and meta is not None and meta.store_jobs:
-            self._copier.submit(meta.store_jobs)
+            self._copier.submit(meta.store_jobs)  # a rank that writes no copy acknowledges them (ShardCopier)
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         self._finished_seen |= finished_req_ids & self._held

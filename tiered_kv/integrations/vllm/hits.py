@@ -1,0 +1,91 @@
+"""The longest hit at which every KV cache group has what it needs (groups.py), and what to load.
+
+Full-attention groups need the whole prefix: their leading resident runs bound the hit. A window or
+state group needs only some blocks before the boundary, so the boundary walks down from that bound
+to the longest one where every such group has its blocks resident. Only blocks past what vLLM
+computed itself (``first``) are loaded.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from .groups import FULL, MAMBA, KVGroups
+
+
+@dataclass
+class Hit:
+    boundary: int  # blocks computed once loaded
+    ranges: list[tuple[int, int]]  # per group: the blocks [a, b) to load
+    in_cpu: bool  # every block to load is in the CPU tier
+    where: Counter[str]  # blocks to load per tier
+
+    @property
+    def blocks(self) -> int:
+        return sum(b - a for a, b in self.ranges)
+
+
+def find_hit(cache: Any, groups: KVGroups, keys: list[list[bytes]], first: int, max_blocks: int,
+             block_size: int) -> Hit | None:  # fmt: skip
+    """On the cache's loop. None: no boundary past ``first`` has every group's blocks."""
+    bound = max_blocks
+    looked: dict[int, Any] = {}
+    for p, g in enumerate(groups.groups):
+        if g.kind == FULL:
+            looked[p] = cache.lookup(keys[p][:max_blocks])  # in-flight stores count: a load waits for them
+            bound = min(bound, looked[p].total)
+    if bound <= first:
+        return None
+    runs: dict[int, list[int]] = {}  # window/state groups: resident run length ending at each block
+    for p, g in enumerate(groups.groups):
+        if g.kind != FULL:
+            run, runs[p] = 0, []
+            for tier in cache.tiers_of(keys[p][:bound]):
+                run = run + 1 if tier else 0
+                runs[p].append(run)
+    boundary = bound
+    while boundary > first and not all(_covered(g, runs[p], boundary, first, block_size)
+                                       for p, g in enumerate(groups.groups) if g.kind != FULL):  # fmt: skip
+        boundary -= 1
+    if boundary <= first:
+        return None
+    ranges = []
+    for g in groups.groups:
+        need = g.needed(boundary, block_size)
+        ranges.append((max(need.start, first), need.stop))
+    hit = Hit(boundary, ranges, True, Counter())
+    for p, (a, b) in enumerate(ranges):
+        if b <= a:
+            continue
+        if p in looked and looked[p].cpu >= b:
+            hit.where["cpu"] += b - a
+            continue
+        tiers = cache.tiers_of(keys[p][a:b])
+        hit.where.update(t for t in tiers)
+        hit.in_cpu = hit.in_cpu and all(t == "cpu" for t in tiers)
+    # A Mamba state is never loaded in the step that computes after it: in align mode vLLM's model runner
+    # copies the boundary's state into the block the forward writes (preprocess_mamba) before
+    # start_load_kv runs, so a synchronous load would land after the copy read zeros. Asynchronous, it
+    # lands before the request is scheduled to compute.
+    mamba = any(g.kind == MAMBA for g in groups.groups)
+    hit.in_cpu = hit.in_cpu and not mamba and cache.copies_now(hit.blocks)
+    return hit
+
+
+def _covered(g: Any, run: list[int], boundary: int, first: int, block_size: int) -> bool:
+    need = g.needed(boundary, block_size)
+    a = max(need.start, first)
+    return a >= need.stop or run[need.stop - 1] >= need.stop - a
+
+
+def touch_hit(cache: Any, groups: KVGroups, keys: list[list[bytes]], hit: Hit, session: Any,
+              expect_followup: bool) -> None:  # fmt: skip
+    """The promised blocks are the last to go: a prefix's whole chain (head most recent, as ``touch``
+    orders it), a window's blocks."""
+    for p, g in enumerate(groups.groups):
+        a, b = hit.ranges[p]
+        if b > a:
+            cache.touch(keys[p][: b] if g.kind == FULL else keys[p][a:b], session=session,
+                        expect_followup=expect_followup)  # fmt: skip

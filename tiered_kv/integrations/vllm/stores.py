@@ -1,0 +1,99 @@
+"""The store side of the scheduler half: which blocks of each KV cache group a step's forward computed
+are stored, under which tag, and the fences that keep a store from reading a block vLLM reused.
+
+A full-attention group stores every prompt block once computed. A window or state group stores only
+what a later hit at the prompt's last boundaries needs (groups.py), under a tag of its own: vLLM frees
+those blocks while the request runs (``remove_skipped_blocks``, in the schedule that builds the next
+step), so at the next step their stores are fenced (the workers wait for the sent ones before the
+forward) and the unsent ones refused. A preempted request's stores of every group are fenced the same.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from ...split.jobs import STORE
+from .groups import FULL, Group, KVGroups
+from .requests import Req, new_tag
+
+
+@dataclass
+class PlannedStore:
+    tag: str
+    keys: list[bytes]
+    block_ids: list[int]
+    prefix: list[bytes]  # the chain before keys[0] (a full group's continuation), else []
+    first: int  # block index of keys[0]
+    full: bool
+
+
+class StoreBook:
+    def __init__(self, groups: KVGroups, block_size: int, counters: Counter[str]) -> None:
+        self._groups = groups
+        self._bs = block_size
+        self._counters = counters
+        self._windowed: set[str] = set()  # requests with window/state stores planned, fenced next step
+
+    def plan(self, req: Req, rid: str, done_tokens: int) -> list[PlannedStore]:
+        """The stores of the blocks ``req``'s forward has computed up to ``done_tokens`` not yet planned."""
+        out: list[PlannedStore] = []
+        for p, g in enumerate(self._groups.groups):
+            keys, ids = req.keys[p], req.block_ids[p]
+            end = min(done_tokens, len(req.prompt), len(ids) * self._bs) // self._bs
+            end = min(end, len(keys))
+            start = req.next_store[p]
+            if end <= start:
+                continue
+            req.next_store[p] = end
+            if g.kind == FULL:
+                idx, tag, prefix = list(range(start, end)), req.tag, keys[:start]
+            else:  # only what a later hit at this prompt's last boundaries needs; never vLLM's null block 0
+                idx = [i for i in self.window_blocks(g, len(req.prompt)) if start <= i < end and ids[i] > 0]
+                if not idx:
+                    continue
+                if not req.window_tag:
+                    req.window_tag = new_tag(rid)
+                self._windowed.add(rid)
+                tag, prefix = req.window_tag, []
+            self._counters[f"stored_{g.kind}_blocks_planned"] += len(idx)
+            out.append(PlannedStore(tag, [keys[i] for i in idx], [ids[i] for i in idx], prefix, idx[0],
+                                    g.kind == FULL))  # fmt: skip
+        return out
+
+    def window_blocks(self, group: Group, prompt_len: int) -> list[int]:
+        """A window/state group's blocks worth storing: what a hit at the prompt's last boundary needs,
+        the same prompt again (one token short of it) or one that continues it (the whole prompt)."""
+        again, longer = (prompt_len - 1) // self._bs, prompt_len // self._bs
+        return sorted(set(group.needed(again, self._bs)) | set(group.needed(longer, self._bs)))
+
+    def fence(self, proxy: Any, req: Req, rid: str) -> list[int]:
+        """A preempted request's blocks are free now: no store of them may read them after this step's
+        forward. Its unsent jobs (and any its pending stores submit later) fail at the proxy; the ids of
+        its stores already sent are returned, for the workers to wait for before the forward."""
+        sent: list[int] = []
+        if req.pending_stores():
+            for tag in filter(None, (req.tag, req.window_tag)):
+                proxy.cancel_request(tag)
+                sent += proxy.sent_jobs(tag, STORE)
+        req.tag = new_tag(rid)  # a fresh tag: the fenced one refuses every later job
+        req.window_tag = ""
+        self._windowed.discard(rid)
+        req.next_store = [0] * len(req.next_store)  # what the fenced stores did not land is stored again
+        return sent
+
+    def fence_windows(self, proxy: Any, reqs: dict[str, Req]) -> list[int]:
+        """The window/state stores planned last step: the sent ones' ids (to land before this step's
+        forward reuses their blocks); the unsent ones are refused."""
+        sent: list[int] = []
+        for rid in self._windowed:
+            req = reqs.get(rid)
+            if req is None or not req.window_tag:
+                continue
+            proxy.cancel_request(req.window_tag)
+            sent += proxy.sent_jobs(req.window_tag, STORE)
+            req.window_tag = ""
+        self._windowed.clear()
+        self._counters["window_fenced_jobs"] += len(sent)
+        return sent
