@@ -182,6 +182,24 @@ PYBIND11_MODULE(_core, m) {
     }, py::arg("cpu"), py::arg("disk").none(true), py::arg("keys"));
     m.def("locate", &locate, py::arg("cpu"), py::arg("disk").none(true), py::arg("keys"));
 
+    // One policy over a CPU tier and the disk tier below it (domain.hpp); attach both while empty.
+    py::class_<Domain>(m, "Domain")
+        .def(py::init([](int kind, i64 cpu, i64 disk, const py::bytes& seeds, double start, double low, double high) {
+            if (cpu <= 0 || disk <= 0 || cpu + disk > MAX_SLOTS)
+                raise(Err::Tier, "a hierarchy needs 1 .. " + S(MAX_SLOTS) + " slots in all (MAX_SLOTS), got " + S(cpu) + " + " + S(disk));
+            return new Domain(kind_of(kind), cpu, disk, seed_word(seeds, 3), start, low, high);
+        }))
+        .def("attach", [](Domain& d, Tier& cpu, Tier& disk) {
+            if (cpu.keys().key_bytes() != disk.keys().key_bytes()) raise(Err::Tier, "a hierarchy's tiers need one key length");
+            cpu.attach(d, 0, &disk);
+            disk.attach(d, 1, &cpu);
+        })  // the tiers keep the domain and each other alive in Python (manager: TierIndex.join)
+        .def_property_readonly("p", [](const Domain& d) { return d.policy.p(); })
+        .def_property_readonly("policy_len", [](const Domain& d) { return d.policy.size(); })
+        .def("history_sizes", [](const Domain& d) { return py::make_tuple(d.history.size(0), d.history.size(1)); })
+        .def("ghost_sizes", [](const Domain& d) { return py::make_tuple(d.policy.ghosts().size(0), d.policy.ghosts().size(1)); })
+        .def_property_readonly("nbytes", &Domain::nbytes);
+
     py::class_<Tier>(m, "Tier")
         .def(py::init([](const std::string& name, i64 n, int kb, int kind, const py::bytes& seeds, double start,
                          double low, double high) {
@@ -273,13 +291,28 @@ PYBIND11_MODULE(_core, m) {
         })
         .def("policy_insert", [](Tier& t, py::handle s) {
             SlotArgs a = slot_args(s, t.num_slots(), "policy_insert");
-            t.policy().insert(a.p, a.n);
+            t.policy_insert(a.p, a.n);
         })
         .def("policy_evict", [](Tier& t, i64 n) {
             std::vector<i64> out;
-            PinView pins{reinterpret_cast<const u8*>(t.pins_data()), 2};
-            t.policy().evict(n, pins, out);
+            t.policy_evict(n, out);
             return i64_array(out.data(), static_cast<i64>(out.size()));
+        })
+        .def_property_readonly("in_domain", &Tier::in_domain)
+        .def("note", [](Tier& t, py::handle keys) {
+            KeyArgs k = key_args(keys, t.keys().key_bytes());
+            t.note(k.data(), k.size());
+        })
+        .def("make_room", [](Tier& t, i64 n, bool spill) {
+            std::vector<i64> victims, dropped, sc, sd;
+            std::vector<u8> gone;
+            i64 clean = t.make_room(n, spill, victims, dropped, sc, sd, gone);
+            const i64 kb = t.keys().key_bytes();
+            py::array_t<u8> g({static_cast<py::ssize_t>(gone.size() / static_cast<size_t>(kb)), static_cast<py::ssize_t>(kb)});
+            if (!gone.empty()) std::memcpy(g.mutable_data(), gone.data(), gone.size());
+            return py::make_tuple(i64_array(victims.data(), static_cast<i64>(victims.size())), t.evicted_cold(), clean,
+                                  i64_array(sc.data(), static_cast<i64>(sc.size())), i64_array(sd.data(), static_cast<i64>(sd.size())), g,
+                                  i64_array(dropped.data(), static_cast<i64>(dropped.size())));
         })
         .def("restore", [](Tier& t, py::handle keys, py::handle slots) {
             KeyArgs k = key_args(keys, t.keys().key_bytes());
@@ -307,9 +340,9 @@ PYBIND11_MODULE(_core, m) {
             return out;
         })
         .def("cold_order", [](const Tier& t) { return t.lists().members(COLD); })
-        .def("policy_order", [](const Tier& t) { return t.policy().order(); })
+        .def("policy_order", [](const Tier& t) { return t.in_domain() ? t.domain_order() : t.policy().order(); })
         .def_property_readonly("policy_name", [](const Tier& t) { return std::string(kind_name(t.policy().kind())); })
-        .def_property_readonly("policy_len", [](const Tier& t) { return t.policy().size(); })
+        .def_property_readonly("policy_len", &Tier::policy_len)
         .def_property_readonly("p", [](const Tier& t) { return t.policy().p(); })
         .def("list_sizes", [](const Tier& t) { return py::make_tuple(t.lists().size(T1), t.lists().size(T2)); })
         .def("ghost_sizes", [](const Tier& t) { return py::make_tuple(t.policy().ghosts().size(0), t.policy().ghosts().size(1)); })

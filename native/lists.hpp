@@ -45,8 +45,27 @@ public:
         unlink(s);
         push_back(l, s);
     }
+    // Node `to` (in no list) takes node `from`'s place in its list: a block that moved keeps its rank.
+    void replace(i64 from, i64 to) {
+        u8 l = lid_[from];
+        i32 p = prev_[from], x = next_[from];
+        next_[p] = static_cast<i32>(to);
+        prev_[x] = static_cast<i32>(to);
+        prev_[to] = p;
+        next_[to] = x;
+        lid_[to] = l;
+        lid_[from] = NO_LIST;
+    }
+    // The oldest unpinned member of list l, -1 if none (read-only).
+    template <class Pins>
+    i64 first_unpinned(u8 l, const Pins& pins) const {
+        for (i32 s = first(l); !end(l, s); s = next_[s])
+            if (!pins.pinned(s)) return s;
+        return -1;
+    }
     // Up to `want` unpinned members of list l, oldest first (read-only).
-    void candidates(u8 l, i64 want, const PinView& pins, std::vector<i64>& out) const {
+    template <class Pins>
+    void candidates(u8 l, i64 want, const Pins& pins, std::vector<i64>& out) const {
         out.clear();
         for (i32 s = first(l); !end(l, s) && static_cast<i64>(out.size()) < want; s = next_[s])
             if (!pins.pinned(s)) out.push_back(s);
@@ -55,6 +74,16 @@ public:
         std::vector<i64> out;
         for (i32 s = first(l); !end(l, s); s = next_[s]) out.push_back(s);
         return out;
+    }
+    // Raises unless the policy lists' links and sizes agree (a domain's lists: no cold list, any node).
+    void check_range(i64, i64) const {
+        for (u8 l = 1; l < COLD; ++l) {
+            i64 k = 0;
+            for (i32 s = first(l); !end(l, s); s = next_[s])
+                if (s < 0 || s >= n_ || lid_[s] != l || next_[prev_[s]] != s || ++k > n_)
+                    fail(Err::Tier, "hierarchy list " + S(l) + " is broken at node " + S(s));
+            if (k != size_[l]) fail(Err::Tier, "hierarchy list " + S(l) + " holds " + S(k) + ", counted " + S(size_[l]));
+        }
     }
     // Raises unless each list's links, sizes and membership bytes agree.
     void check() const {

@@ -25,8 +25,11 @@ public:
     Policy(const Policy&) = delete;  // it refers to lists and tags it does not own
     Policy& operator=(const Policy&) = delete;
     // `tags` names the key each slot holds (read on insert and evict): the ghosts' identity.
-    Policy(Kind kind, i64 n, Lists& lists, const u64* tags, u64 ghost_mult, double start, double low, double high)
-        : kind_(kind), n_(n), lists_(lists), tags_(tags),
+    // `history` (may be null): tags of keys referenced while no tier of the hierarchy held them, list 1
+    // for a key referenced again (it enters the frequent list, with no adaptation: it is no ghost hit).
+    Policy(Kind kind, i64 n, Lists& lists, const u64* tags, u64 ghost_mult, double start, double low, double high,
+           Ghosts* history = nullptr)
+        : kind_(kind), n_(n), lists_(lists), tags_(tags), history_(history),
           ghosts_(kind == Kind::LRU ? 0 : kind == Kind::ARC ? n : (WINDOW_GHOSTS[0] + WINDOW_GHOSTS[1]) * n, ghost_mult),
           p_(kind == Kind::WINDOW ? start * static_cast<double>(n) : 0.0),
           low_(low * static_cast<double>(n)), high_(high * static_cast<double>(n)) {}
@@ -57,6 +60,13 @@ public:
         i64 in_window = 0, in_main = 0;
         for (i64 i = 0; i < m; ++i) {
             i32 g = ghosts_.find(tags_[s[i]]);
+            if (g < 0 && history_) {
+                i32 h = history_->find(tags_[s[i]]);
+                if (h >= 0) {
+                    to_t2[static_cast<size_t>(i)] = history_->list_of(h) == 1;
+                    history_->discard(h);
+                }
+            }
             if (g < 0) continue;
             int l = ghosts_.list_of(g);
             if (kind_ == Kind::ARC) {
@@ -96,10 +106,11 @@ public:
     }
 
     // Exactly n unpinned victims in eviction order, out of the lists (their ghosts added); or none.
-    bool evict(i64 n, const PinView& pins, std::vector<i64>& out) {
+    template <class Pins>
+    bool evict(i64 n, const Pins& pins, std::vector<i64>& out) {
         out.clear();
         if (n <= 0 || n > size()) return n == 0;
-        if (!select(n, pins, out, from_)) {
+        if (!select(lists_, n, pins, out, from_)) {
             out.clear();
             return false;
         }
@@ -114,29 +125,49 @@ public:
     std::vector<i64> order() const {
         std::vector<i64> out;
         std::vector<u8> from;
-        if (size()) select(size(), PinView{}, out, from);
+        if (size()) select(lists_, size(), PinView{}, out, from);
         return out;
+    }
+
+    // The next victim among the members of `sub`, lists that mirror the policy's for one tier's
+    // blocks in the same order (ARC's rule with the whole policy's p and |T1|); -1 if none.
+    template <class Pins>
+    i64 next_in(const Lists& sub, const Pins& pins) const {
+        // select() for one victim, without its buffers: T1 first while |T1| exceeds p, then T2, then T1.
+        i64 t1 = sub.first_unpinned(T1, pins);
+        if (kind_ == Kind::LRU) return t1;
+        if (t1 >= 0 && std::ceil(static_cast<double>(lists_.size(T1)) - p_) >= 1.0) return t1;
+        i64 t2 = sub.first_unpinned(T2, pins);
+        return t2 >= 0 ? t2 : t1;
+    }
+
+    // Node p leaves the hierarchy as an eviction would take it (its ghost added).
+    void evict_node(i64 p) {
+        u8 l = lists_.lid(p);
+        lists_.unlink(p);
+        if (kind_ != Kind::LRU) add_ghost(tags_[p], l == T1 ? 0 : 1);
     }
 
 private:
     // ARC's REPLACE one victim at a time takes from T1 while |T1| (shrinking) exceeds p, then from
     // T2, then from T1 again once T2 runs out: T1's first a, T2's candidates, T1's remaining ones.
-    bool select(i64 n, const PinView& pins, std::vector<i64>& out, std::vector<u8>& from) const {
+    template <class Pins>
+    bool select(const Lists& L, i64 n, const Pins& pins, std::vector<i64>& out, std::vector<u8>& from) const {
         out.clear();
         from.clear();
         if (kind_ == Kind::LRU) {
-            lists_.candidates(T1, n, pins, out);
+            L.candidates(T1, n, pins, out);
             from.assign(out.size(), T1);
             return static_cast<i64>(out.size()) == n;
         }
         double over = std::ceil(static_cast<double>(lists_.size(T1)) - p_);
         i64 first = std::min<i64>(n, std::max<i64>(0, static_cast<i64>(over)));
-        lists_.candidates(T1, first, pins, c1_);
+        L.candidates(T1, first, pins, c1_);
         i64 a = static_cast<i64>(c1_.size());
-        lists_.candidates(T2, n - a, pins, c2_);
+        L.candidates(T2, n - a, pins, c2_);
         i64 j2 = static_cast<i64>(c2_.size());
         if (a + j2 < n) {
-            lists_.candidates(T1, n - j2, pins, c1_);
+            L.candidates(T1, n - j2, pins, c1_);
             if (static_cast<i64>(c1_.size()) < n - j2) return false;
         }
         i64 j1 = n - j2;
@@ -174,6 +205,7 @@ private:
     i64 n_;
     Lists& lists_;
     const u64* tags_;
+    Ghosts* history_;
     Ghosts ghosts_;
     double p_, low_, high_;
     mutable std::vector<i64> c1_, c2_;

@@ -8,12 +8,13 @@
 #pragma once
 #include <algorithm>
 
+#include "domain.hpp"
 #include "keytable.hpp"
-#include "policy.hpp"
 
 namespace tkv {
 
 constexpr u8 FREE = 0, RESERVED = 1, READY = 2;
+static_assert(READY == READY_STATE, "the domain reads tier states");
 
 // The keys of one call seen so far, by hash (open addressing over indices): repeats in O(1) each.
 class Seen {
@@ -52,8 +53,9 @@ public:
     i64 num_slots() const { return n_; }
     KeyTable& keys() { return keys_; }
     const KeyTable& keys() const { return keys_; }
-    Policy& policy() { return policy_; }
-    const Policy& policy() const { return policy_; }
+    Policy& policy() { return dom_ ? dom_->policy : policy_; }  // the hierarchy's, when attached
+    const Policy& policy() const { return dom_ ? dom_->policy : policy_; }
+    i64 policy_len() const { return dom_ ? lists_.size(T1) + lists_.size(T2) : policy_.size(); }
     const Lists& lists() const { return lists_; }
     u8* state_data() { return state_.data(); }
     u16* pins_data() { return pins_.data(); }
@@ -69,7 +71,7 @@ public:
     bool in_cold(i64 s) const { return lists_.lid(s) == COLD; }
     size_t nbytes() const {
         return keys_.nbytes() + state_.size() + pins_.size() * sizeof(u16) + free_.size() * sizeof(i32) +
-               lists_.nbytes() + policy_.nbytes();
+               lists_.nbytes() + policy_.nbytes() + (dom_ && level_ == 0 ? dom_->nbytes() : 0);
     }
 
     i64 find_ready(const u8* k) const {
@@ -131,6 +133,7 @@ public:
         n_reserved_ -= m;
         n_ready_ += m;
         n_ready_pinned_ += pinned;
+        if (dom_) return commit_in_domain(s, m);
         policy_.insert(s, m);
     }
 
@@ -142,6 +145,7 @@ public:
             if (pins_[s[i]]) fail(Err::Tier, name_ + ": cannot abort pinned slots");
         distinct(s, m, "abort");
         for (i64 i = 0; i < m; ++i) {
+            if (dom_ && dom_->lists.lid(node(s[i])) != NO_LIST) dom_->lists.unlink(node(s[i]));  // a spill that failed
             keys_.remove(s[i]);
             state_[s[i]] = FREE;
         }
@@ -158,6 +162,7 @@ public:
         distinct(s, m, "drop");
         for (i64 i = 0; i < m; ++i) {
             if (lists_.lid(s[i]) != NO_LIST) lists_.unlink(s[i]);
+            if (dom_ && dom_->lists.lid(node(s[i])) != NO_LIST) dom_->lists.unlink(node(s[i]));
             keys_.remove(s[i]);
             state_[s[i]] = FREE;
         }
@@ -181,8 +186,11 @@ public:
             evicted_cold_ = n;
             return;
         }
-        if (!policy_.evict(n - cold, pins, victims_))
+        if (dom_) {
+            domain_evict(n - cold);
+        } else if (!policy_.evict(n - cold, pins, victims_)) {
             fail(Err::Tier, name_ + ": " + S(evictable()) + " evictable slots counted but fewer found");
+        }
         out.insert(out.end(), victims_.begin(), victims_.end());
         evicted_cold_ = cold;
     }
@@ -195,8 +203,18 @@ public:
         for (i64 i = 0; i < m; ++i)
             if (state_[s[i]] == READY && lists_.lid(s[i]) != COLD) keep.push_back(s[i]);
         distinct(keep.data(), static_cast<i64>(keep.size()), "demote");
-        if (loaded) policy_.demote(keep.data(), static_cast<i64>(keep.size()));
-        else policy_.remove(keep.data(), static_cast<i64>(keep.size()));
+        if (dom_) {
+            for (i64 x : keep) {
+                if (lists_.lid(x) == NO_LIST) continue;
+                lists_.unlink(x);
+                dom_->lists.unlink(node(x));
+                if (loaded) dom_->hot(keys_.hashes()[x]);  // its history goes with the block
+            }
+        } else if (loaded) {
+            policy_.demote(keep.data(), static_cast<i64>(keep.size()));
+        } else {
+            policy_.remove(keep.data(), static_cast<i64>(keep.size()));
+        }
         for (i64 x : keep) lists_.push_back(COLD, x);
     }
 
@@ -229,10 +247,15 @@ public:
                 std::sort(cold.begin(), cold.end());
                 cold.erase(std::unique(cold.begin(), cold.end()), cold.end());
                 for (i64 x : cold) lists_.unlink(x);
-                policy_.insert(cold.data(), static_cast<i64>(cold.size()));
+                policy_insert(cold.data(), static_cast<i64>(cold.size()));
             }
         }
-        policy_.touch(s, m);
+        if (!dom_) return policy_.touch(s, m);
+        std::vector<i64> at(s, s + m);
+        for (i64& x : at) x = node(x);
+        dom_->policy.touch(at.data(), m);
+        for (i64 i = 0; i < m; ++i)  // the mirror follows in the same order
+            if (lists_.lid(s[i]) == T1 || lists_.lid(s[i]) == T2) lists_.move_back(dom_->lists.lid(at[i]), s[i]);
     }
 
     // Blocks recovered from persistent storage, oldest first, into an empty index.
@@ -254,7 +277,7 @@ public:
             used[static_cast<size_t>(s[i])] = 1;
         }
         n_ready_ = m;
-        policy_.insert(s, m);
+        policy_insert(s, m);
         nfree_ = 0;
         for (i64 x = n_ - 1; x >= 0; --x)
             if (!used[static_cast<size_t>(x)]) free_[nfree_++] = static_cast<i32>(x);
@@ -402,9 +425,197 @@ public:
         lists_.check();
         policy_.ghosts().check();
         keys_.check();
+        if (!dom_) return;
+        // The mirror and the domain's lists agree on this tier's nodes; a node outside the mirror is
+        // a block in flight down to this tier (RESERVED: its spill keeps its rank).
+        for (i64 x = 0; x < n_; ++x) {
+            u8 l = lists_.lid(x), g = dom_->lists.lid(node(x));
+            bool mirrored = l == T1 || l == T2;
+            if (mirrored ? g != l : (g != NO_LIST && state_[x] != RESERVED))
+                fail(Err::Tier, name_ + ": slot " + S(x) + " is in list " + S(l) + " here but " + S(g) + " in the hierarchy's policy");
+        }
+        if (level_ == 0) {
+            dom_->lists.check_range(0, dom_->split);
+            dom_->policy.ghosts().check();
+            dom_->history.check();
+        }
+    }
+
+    // -- one policy over the hierarchy (domain.hpp) ------------------------------------------------
+    // Join `d` as its level 0 (CPU) or 1 (disk) tier, while empty; `above` / `below`: the other tier.
+    void attach(Domain& d, int level, Tier* other) {
+        if (n_ready_ || n_reserved_) fail(Err::Tier, name_ + ": a tier joins a hierarchy while empty");
+        if (d.attached[level]) fail(Err::Tier, name_ + ": the hierarchy already has a level " + S(level) + " tier");
+        i64 want = level == 0 ? d.split : static_cast<i64>(d.tags.size()) - d.split;
+        if (want != n_) fail(Err::Tier, name_ + ": the hierarchy has " + S(want) + " slots at level " + S(level) + ", the tier " + S(n_));
+        dom_ = &d;
+        level_ = level;
+        base_ = level == 0 ? 0 : d.split;
+        other_ = other;
+        d.attached[level] = true;
+        d.pins.state[level] = state_.data();
+        d.pins.pins[level] = pins_.data();
+        d.pins.split = d.split;
+    }
+    bool in_domain() const { return dom_ != nullptr; }
+    const Domain* domain() const { return dom_; }
+
+    // Policy insert of READY slots (the LAST most recent), through the hierarchy's policy when attached.
+    void policy_insert(const i64* s, i64 m) {
+        if (!dom_) return policy_.insert(s, m);
+        std::vector<i64> at(s, s + m);
+        for (i64 i = 0; i < m; ++i) {
+            at[i] = node(s[i]);
+            dom_->tags[static_cast<size_t>(at[i])] = keys_.hashes()[s[i]];
+        }
+        dom_->policy.insert(at.data(), m);
+        for (i64 i = 0; i < m; ++i) lists_.push_back(dom_->lists.lid(at[i]), s[i]);
+    }
+    // Up to n policy victims among this tier's blocks (unpinned, READY), out of the lists.
+    void policy_evict(i64 n, std::vector<i64>& out) {
+        out.clear();
+        if (!dom_) {
+            PinView pins{reinterpret_cast<const u8*>(pins_.data()), 2};
+            policy_.evict(n, pins, out);
+            return;
+        }
+        domain_evict(n);
+        out = victims_;
+    }
+
+    // References to keys no tier of the hierarchy holds (the engine's GPU has them): their history.
+    void note(const u8* const* keys, i64 m) {
+        if (!dom_) return;
+        for (i64 i = 0; i < m; ++i) {
+            if (keys_.find(keys[i]) >= 0 || (other_ && other_->keys_.find(keys[i]) >= 0)) continue;
+            dom_->note(keys_.hash(keys[i]));
+        }
+    }
+
+    // This tier's nodes in the hierarchy's eviction order (tests and debugging).
+    std::vector<i64> domain_order() const {
+        std::vector<i64> out;
+        for (i64 p : dom_->policy.order())
+            if ((p >= dom_->split) == (level_ == 1)) out.push_back(p - base_);
+        return out;
+    }
+
+    // n CPU slots for new keys (level 0, attached): READY, unpinned, out of every list, to be reassigned.
+    // Cold blocks go first (dropped). Then, one slot at a time: if the tier below can take a block (a free
+    // slot, a cold block to drop, or a clean copy of it already), the CPU block the policy ranks first
+    // among the CPU's moves down, keeping its rank; else the policy's next victim leaves the hierarchy (a
+    // CPU one frees its slot; a disk one makes room below). `spill` false (no writable tier below): the
+    // CPU's first-ranked blocks leave. Out: victims (CPU slots; the first evicted_cold() from the cold
+    // list), spill_cpu / spill_disk (dirty moves: disk slots RESERVED for their keys), gone_disk (keys of
+    // disk blocks that left, for the caller's events), dropped (the victims that left the CPU without a
+    // spill: cold, clean moves, the hierarchy's victims); returns how many victims are clean moves.
+    i64 make_room(i64 n, bool spill, std::vector<i64>& victims, std::vector<i64>& dropped, std::vector<i64>& spill_cpu,
+                  std::vector<i64>& spill_disk, std::vector<u8>& gone_disk) {
+        if (!dom_ || level_ != 0) fail(Err::Tier, name_ + ": make_room needs the CPU tier of a hierarchy");
+        Tier* below = spill ? other_ : nullptr;
+        victims.clear();
+        dropped.clear();
+        spill_cpu.clear();
+        spill_disk.clear();
+        gone_disk.clear();
+        evicted_cold_ = 0;
+        n = std::min(n, evictable());
+        if (n <= 0) return 0;
+        PinView pins{reinterpret_cast<const u8*>(pins_.data()), 2};
+        if (lists_.size(COLD)) {
+            lists_.candidates(COLD, n, pins, victims);
+            for (i64 x : victims) lists_.unlink(x);
+        }
+        evicted_cold_ = static_cast<i64>(victims.size());
+        dropped = victims;
+        const int kb = keys_.key_bytes();
+        DomainPins all = dom_->pins;
+        all.only = -1;
+        i64 clean = 0;
+        while (static_cast<i64>(victims.size()) < n) {
+            i64 c = dom_->policy.next_in(lists_, pins);
+            if (c < 0) break;  // cannot happen (n <= evictable); the caller sees fewer
+            if (!below) {
+                lists_.unlink(c);
+                dom_->policy.evict_node(node(c));
+                victims.push_back(c);
+                dropped.push_back(c);
+                continue;
+            }
+            const u8* key = keys_.key_at(c);
+            i64 dup = below->find_ready(key);
+            if (dup >= 0 && below->lists_.lid(dup) == COLD) {  // a clean copy below takes the block's rank
+                lists_.unlink(c);
+                below->lists_.unlink(dup);
+                dom_->lists.replace(node(c), below->node(dup));
+                dom_->tags[static_cast<size_t>(below->node(dup))] = dom_->tags[static_cast<size_t>(node(c))];
+                below->lists_.push_back(dom_->lists.lid(below->node(dup)), dup);
+                victims.push_back(c);
+                dropped.push_back(c);
+                ++clean;
+                continue;
+            }
+            i64 d = -1;
+            if (below->nfree_ > 0) {
+                below->reserve(&key, 1, &d);
+            } else {
+                PinView bpins{reinterpret_cast<const u8*>(below->pins_.data()), 2};
+                d = below->lists_.first_unpinned(COLD, bpins);
+                if (d >= 0) {
+                    below->lists_.unlink(d);
+                } else {
+                    if (!dom_->policy.evict(1, all, one_)) break;  // nothing unpinned anywhere
+                    i64 p = one_[0];
+                    if (p < dom_->split) {  // a CPU block leaves: its slot is the room
+                        lists_.unlink(p);
+                        victims.push_back(p);
+                        dropped.push_back(p);
+                        continue;
+                    }
+                    d = p - dom_->split;
+                    below->lists_.unlink(d);
+                }
+                gone_disk.insert(gone_disk.end(), below->keys_.key_at(d), below->keys_.key_at(d) + kb);
+                below->reassign(&d, 1, &key);
+            }
+            lists_.unlink(c);
+            dom_->lists.replace(node(c), below->node(d));  // in flight down, keeping its rank
+            dom_->tags[static_cast<size_t>(below->node(d))] = dom_->tags[static_cast<size_t>(node(c))];
+            spill_cpu.push_back(c);
+            spill_disk.push_back(d);
+            victims.push_back(c);
+        }
+        return clean;
     }
 
 private:
+    i64 node(i64 s) const { return base_ + s; }
+
+    void commit_in_domain(const i64* s, i64 m) {
+        std::vector<i64> fresh;
+        fresh.reserve(static_cast<size_t>(m));
+        for (i64 i = 0; i < m; ++i) {
+            u8 g = dom_->lists.lid(node(s[i]));
+            if (g != NO_LIST) lists_.push_back(g, s[i]);  // a spill landed: it kept its rank
+            else if (level_ == 1 && other_ && other_->keys_.find(keys_.key_at(s[i])) >= 0)
+                lists_.push_back(COLD, s[i]);  // a copy of a block the CPU holds (written through)
+            else fresh.push_back(s[i]);
+        }
+        policy_insert(fresh.data(), static_cast<i64>(fresh.size()));
+    }
+
+    // n policy victims among this tier's blocks into victims_, out of both lists.
+    void domain_evict(i64 n) {
+        DomainPins only = dom_->pins;
+        only.only = level_;
+        if (!dom_->policy.evict(n, only, victims_))
+            fail(Err::Tier, name_ + ": " + S(evictable()) + " evictable slots counted but fewer found");
+        for (i64& p : victims_) {
+            p -= base_;
+            lists_.unlink(p);
+        }
+    }
+
     // Slots in range and in state `want`, and their keys agree (a RESERVED or READY slot holds one).
     void expect(const i64* s, i64 m, u8 want, const char*) const {
         for (i64 i = 0; i < m; ++i) {
@@ -462,8 +673,12 @@ private:
     i64 nfree_ = 0;
     Lists lists_;
     Policy policy_;
+    Domain* dom_ = nullptr;  // the hierarchy's policy, when the tier is part of one
+    int level_ = 0;
+    i64 base_ = 0;
+    Tier* other_ = nullptr;  // the hierarchy's other tier
     i64 n_reserved_ = 0, n_ready_ = 0, n_ready_pinned_ = 0, evicted_cold_ = 0;
-    std::vector<i64> victims_;
+    std::vector<i64> victims_, one_;
 };
 
 }  // namespace tkv

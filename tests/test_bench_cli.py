@@ -55,9 +55,14 @@ def test_bench_quick_json_runs_every_section(capsys):
 def test_bench_only_lookup_prints_one_section(capsys):
     assert main(["bench", "--quick", "--json", "--only", "lookup"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"meta", "targets", "lookup", "manager"}  # the bookkeeping figures: lookup, store planning
+    # the bookkeeping figures: lookup, store planning (CPU only, and over CPU + disk per policy)
+    assert set(out) == {"meta", "targets", "lookup", "manager", "manager_hierarchy"}
     _finite_spread(out["lookup"]["time_ratio"])
     _finite_spread(out["manager"]["time_ratio"])
+    assert [r["policy"] for r in out["manager_hierarchy"]] == ["lru", "arc", "window"]
+    for r in out["manager_hierarchy"]:
+        assert r["disk_slots"] == 2 * r["slots"]
+        _finite_spread(r["time_ratio"])
     assert main(["bench", "--quick", "--only", "lookup"]) == 0  # the table form
     assert "lookup of a 1,000-block prefix" in capsys.readouterr().out
 

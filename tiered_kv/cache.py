@@ -231,7 +231,8 @@ class TieredKVCache(Moves, Lifecycle):
             self._probing = self.spawn(self.remote.probe(rows), background=True)
 
     def touch(
-        self, keys: Sequence[bytes], *, session: str | int | None = None, expect_followup: bool = False
+        self, keys: Sequence[bytes], *, session: str | int | None = None, expect_followup: bool = False,
+        held: bool = False,
     ) -> None:
         """Mark resident keys as used, last first, so a prefix's head is the most recent.
 
@@ -239,10 +240,13 @@ class TieredKVCache(Moves, Lifecycle):
         ``expect_followup``: the frontend expects its next turn, so its blocks are
         protected (an eviction gives them a second chance), up to ``eviction.protect_share``
         of the CPU + disk slots over all sessions (the oldest lose it first).
+        ``held``: the engine's own prefix cache holds these blocks (a hit there): the reference is
+        recorded (the key's history, for the next time the engine stores it) and copies the engine
+        loaded stay the first eviction candidates.
         """
         self._check_open()
         check_keys(keys, self._key_bytes)
-        self.manager.touch(keys)
+        self.manager.touch(keys, held=bool(held))
         if session is not None:
             self.manager.hint(_check_session(session), keys, bool(expect_followup))
 

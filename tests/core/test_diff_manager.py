@@ -141,7 +141,60 @@ class ManagerTwins(RuleBasedStateMachine):
         same_tier(self.ref.cpu, self.nat.cpu)
         if self.ref.disk is not None:
             same_tier(self.ref.disk, self.nat.disk)
+            hist = self.ref.domain.history
+            same((len(hist[0]), len(hist[1])), self.nat.domain.history_sizes(), "hierarchy history sizes")
         same(self.ref.staging_in_use, self.nat.staging_in_use, "staging in use")
+
+
+class HierarchyTwins(ManagerTwins):
+    """ManagerTwins with a disk tier always below a small CPU tier: one policy over both (native/domain.hpp),
+    so spills, promotions of a block's history and the hierarchy's victims come up in most runs."""
+
+    @initialize(policy=st.sampled_from(["lru", "arc", "window"]), cpu=st.integers(2, 5),
+                disk=st.sampled_from([2, 4, 8]), write_through=st.booleans(),
+                staging=st.sampled_from([0, 0, 3]), protect=st.sampled_from([0.0, 0.0, 0.5]))  # fmt: skip
+    def setup(self, policy, cpu, disk, write_through, staging, protect) -> None:
+        super().setup(policy, cpu, disk, write_through, staging, protect)
+        self.stored: list[list[int]] = []
+
+    @rule(idx=st.lists(st.integers(0, 11), min_size=1, max_size=3))
+    def store_now(self, idx) -> None:
+        """A store whose copies and spills land at once: blocks reach the disk and keep their rank there."""
+        keys = [POOL[i] for i in idx]
+        ids = np.arange(len(keys), dtype=np.int64)
+        rp, np_ = self.both(lambda m: m.prepare_store(keys, ids), "prepare_store")
+        if rp is None:
+            return
+        self.spill((rp.spill, np_.spill), [True])
+        jobs = self.both(lambda m: m.complete_store(rp if m is self.ref else np_, True), "complete_store")
+        self.spill(jobs, [True])
+        self.stored.append(idx)
+
+    @precondition(lambda self: getattr(self, "stored", None))
+    @rule(data=st.data(), exclusive=st.booleans(), engine_hit=st.booleans())
+    def load_stored(self, data, exclusive, engine_hit) -> None:
+        """A chain stored earlier comes back: disk hits are promoted with their history, or the engine's
+        own cache hit it (a held touch: history only)."""
+        keys = [POOL[i] for i in data.draw(st.sampled_from(self.stored[-4:]))]
+        if engine_hit:
+            self.both(lambda m: m.touch(keys, held=True), "touch held")
+            return
+        rp, np_ = self.both(lambda m: m.prepare_load(keys, 8, exclusive=exclusive), "prepare_load")
+        if rp is None:
+            return
+        self.spill((rp.spill, np_.spill), [True])
+        plan = {id(self.ref): rp, id(self.nat): np_}
+
+        def finish(m):
+            p, n = plan[id(m)], len(plan[id(m)])
+            if p.restage is not None:
+                m.complete_restage(p)
+            if p.promote is not None:
+                n = min(n, m.complete_promote(p, np.ones(len(p.promote), dtype=bool)))
+            m.complete_load(p, n)
+            return n
+
+        self.both(finish, "finish_load")
 
 
 def _settings(examples: int, steps: int) -> settings:
@@ -150,6 +203,10 @@ def _settings(examples: int, steps: int) -> settings:
 
 
 class TestManagerTwins(ManagerTwins.TestCase):
+    settings = _settings(EXAMPLES, 50)
+
+
+class TestHierarchyTwins(HierarchyTwins.TestCase):
     settings = _settings(EXAMPLES, 50)
 
 

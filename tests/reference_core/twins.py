@@ -14,6 +14,7 @@ from tiered_kv.manager import TierManager
 from tiered_kv.manager.plans import Located
 from tiered_kv.manager.tier_index import TierIndex
 
+from .domain_tier import join_hierarchy
 from .tier_index import READY, RESERVED
 from .tier_index import TierIndex as RefTierIndex
 
@@ -25,9 +26,11 @@ class RefManager(TierManager):
         super().__init__(*args, **kwargs)
         self.fused = False  # the general paths: the fused native ones must give the same answers
         kb = self.key_bytes
-        self.cpu = RefTierIndex("cpu", self.cpu.num_slots, kb, self.cpu.policy.name)
-        if self.disk is not None:
-            self.disk = RefTierIndex("disk", self.disk.num_slots, kb, self.disk.policy.name)
+        if self.disk is not None:  # one policy over both tiers (native/domain.hpp)
+            self.cpu, self.disk, self.domain = join_hierarchy(self.cpu.policy.name, self.cpu.num_slots,
+                                                              self.disk.num_slots, kb)  # fmt: skip
+        else:
+            self.cpu = RefTierIndex("cpu", self.cpu.num_slots, kb, self.cpu.policy.name)
 
     def locate(self, rows: np.ndarray) -> Located:
         n = len(rows)

@@ -103,20 +103,39 @@ def test_dirty_victims_are_spilled_before_their_slots_are_reused():
     m.check_invariants()
 
 
-def test_the_window_policy_runs_in_the_last_local_tier_and_remembers_promoted_blocks():
-    """CPU above disk stays LRU (its order only decides what moves down); without disk the CPU runs the window.
-    A disk hit promoted to the CPU leaves a main ghost, so its next spill goes to main, not the window."""
+def test_one_policy_spans_cpu_and_disk_and_a_blocks_history_survives_promotion():
+    """CPU and disk run one window policy (native/domain.hpp). A spill keeps the block's rank and list;
+    a disk hit promoted to the CPU is remembered as re-referenced, so it lands in main, not the window."""
     assert TierManager(4, None, KB, "window").cpu.policy.name == "window"
     m = TierManager(4, 16, KB, "window")
-    assert (m.cpu.policy.name, m.disk.policy.name) == ("lru", "window")
+    assert (m.cpu.policy.name, m.disk.policy.name) == ("window", "window")
     a, b = keys("a", 4), keys("b", 4)
     store(m, a)
-    store(m, b)  # a spills to disk: first-time blocks there, in the window
+    store(m, b)  # a moves down: first-time blocks, still in the window there
     assert m.disk.policy.list_sizes() == (4, 0) and m.lookup(a).disk == 4
-    assert load(m, a[:2]) == 2  # promoted: the disk copies go cold, remembered as re-referenced
-    assert m.disk.policy.ghost_sizes() == (0, 2)  # (the two b blocks they displaced spilled, to the window)
-    store(m, keys("c", 4))  # the CPU evicts a[:2] again: their cold disk copies come back, to main
-    assert m.disk.policy.list_sizes()[1] == 2 and m.disk.policy.ghost_sizes() == (0, 0)
+    assert m.domain.history_sizes() == (0, 0)
+    plan = m.prepare_load(a[:2], 8)
+    assert m.complete_promote(plan, np.ones(2, dtype=bool)) == 2
+    # Committed into the CPU before any touch, already in main: the disk copies' demotion passed
+    # their history on (the b blocks they displaced moved down, still in the window).
+    assert m.cpu.policy.list_sizes() == (2, 2) and m.disk.policy.list_sizes() == (2, 0)
+    m.complete_load(plan, 2)
+    m.check_invariants()
+
+
+def test_the_engines_own_hits_become_history_for_when_it_stores_the_block():
+    """touch(held=True) of keys no tier holds records a reference: stored later, the block goes to ARC's T2."""
+    m = TierManager(4, 16, KB, "arc")
+    a = keys("a", 2)
+    m.touch(a, held=True)  # first reference (the engine computed them)
+    m.touch(a, held=True)  # hit in the engine's cache
+    assert m.domain.history_sizes() == (0, 2)
+    store(m, a)
+    assert m.cpu.policy.list_sizes() == (0, 2) and m.domain.history_sizes() == (0, 0)
+    c = keys("c", 2)
+    m.touch(c, held=True)  # seen once: stored into T1
+    store(m, c)
+    assert m.cpu.policy.list_sizes() == (2, 2)
     m.check_invariants()
 
 

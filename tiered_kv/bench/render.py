@@ -93,6 +93,11 @@ def render(result: dict[str, Any], console: Console | None = None) -> None:
             f"prepare_store + complete_store of {r['batch']} new keys: ours {_spread(r['ours_us'], '{:.1f}')} us, "
             f"dict-insert loop {_spread(r['raw_us'], '{:.1f}')} us; time ratio {_spread(r['time_ratio'])} "
             f"(min-max {_range(r['time_ratio'])}, {r['rounds']} rounds) ", _verdict(r)))  # fmt: skip
+    for r in result.get("manager_hierarchy", []):
+        console.print(Text.assemble(
+            f"  the same over CPU + disk ({r['policy']}, {r['slots']:,} + {r['disk_slots']:,} slots, each store "
+            f"spilling {r['batch']}): ours {_spread(r['ours_us'], '{:.1f}')} us; time ratio "
+            f"{_spread(r['time_ratio'])} (no target; hold it per call)"))  # fmt: skip
     if "memory" in result:
         r = result["memory"]
         console.print(Text.assemble(

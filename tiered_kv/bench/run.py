@@ -85,6 +85,13 @@ def run_bench(sections: Sequence[str] | None = None, *, quick: bool = False, dir
         r["target_max"] = TARGETS["manager_time_ratio_max"]
         r["meets_target"] = r["time_ratio"]["median"] <= r["target_max"]
         out["manager"] = r
+        # The same with a disk tier below, one policy over both: each store also moves 64 blocks down, so
+        # it is the general path's cost (reported, no target: the figure to hold per call across changes).
+        out["manager_hierarchy"] = []
+        for policy in ("lru", "arc", "window"):
+            step(f"store planning over CPU + disk ({policy}) vs dict-insert loop")
+            slots = cfg["manager"].get("slots", 64 * 64)
+            out["manager_hierarchy"].append(bench_manager(**cfg["manager"], disk_slots=2 * slots, policy=policy))
     if "memory" in want:
         from .memory import bench_memory
 

@@ -26,7 +26,7 @@ from ..core import core
 from .loading import LoadPlanning, Staging, key_rows, repeats
 from .plans import LookupResult, SpillJob, StorePlan
 from .sessions import Sessions
-from .tier_index import EMPTY, READY, TierIndex
+from .tier_index import EMPTY, READY, TierIndex, join_hierarchy
 
 EVENT_KINDS = ("stored", "evicted", "spilled", "dropped")
 
@@ -52,11 +52,14 @@ class TierManager(LoadPlanning):
         on_event: Callable[[str, str, int], None] | None = None,
     ) -> None:
         self.key_bytes = key_bytes
-        # CPU and disk are exclusive: the CPU's order only decides what moves down, the last
-        # tier's what leaves. The window policy belongs there (policy/window.py); LRU above it.
-        last_only = isinstance(policy, str) and policy.lower() == "window" and bool(disk_slots)
-        self.cpu = TierIndex("cpu", cpu_slots, key_bytes, "lru" if last_only else policy)
-        self.disk = TierIndex("disk", disk_slots, key_bytes, policy) if disk_slots else None
+        # CPU and disk are exclusive and run one policy (native/domain.hpp): a block's history
+        # follows it down and up, the policy's victim leaves wherever it lives, and what spills is
+        # the CPU block the policy ranks first among the CPU's.
+        self.domain = None
+        if disk_slots:
+            self.cpu, self.disk, self.domain = join_hierarchy(policy, cpu_slots, disk_slots, key_bytes)
+        else:
+            self.cpu, self.disk = TierIndex("cpu", cpu_slots, key_bytes, policy), None
         self.disk_writable = self.disk is not None  # the facade clears it when the disk tier degrades
         self.write_through = write_through
         self._events: deque[tuple[str, str, np.ndarray]] = deque(maxlen=max_events)
@@ -220,14 +223,21 @@ class TierManager(LoadPlanning):
         self.cpu.pin(cpu_slots)  # the copy stays servable, and is not evicted while it is read
         return SpillJob(rows[: len(disk_slots)], cpu_slots, disk_slots, reuse=False)
 
-    def touch(self, keys: Sequence[bytes], skip: np.ndarray = EMPTY) -> None:
+    def touch(self, keys: Sequence[bytes], skip: np.ndarray = EMPTY, *, held: bool = False) -> None:
         """Mark resident keys as used, last first, so a prefix's head is the most recent.
 
-        ``skip``: CPU slots just inserted by the caller, not touched again.
+        ``skip``: CPU slots just inserted by the caller, not touched again. ``held``: the engine
+        holds these blocks (its own cache hit them): only the keys' history records the reference
+        (the hierarchy's policy), copies here stay where they are. Otherwise keys no tier holds
+        leave their history too.
         """
         if not len(keys):
             return
         rows = key_rows(keys, self.key_bytes)[::-1]
+        if held:
+            if self.domain is not None:
+                self.cpu.note(rows)  # only the keys neither tier holds
+            return
         cpu_s = self.cpu.find_ready(rows)
         hit = cpu_s >= 0
         if len(skip):
@@ -239,6 +249,8 @@ class TierManager(LoadPlanning):
             rest = np.flatnonzero(cpu_s < 0)
             d_s = self.disk.find_ready(rows[rest])
             self.disk.touch(d_s[d_s >= 0])
+            if self.domain is not None and (d_s < 0).any():
+                self.cpu.note(rows[rest[d_s < 0]])  # held by no tier here (the engine's GPU): its history
 
     # -- announced stores ------------------------------------------------------------
     def announce(self, keys: Sequence[bytes]) -> None:
@@ -292,6 +304,8 @@ class TierManager(LoadPlanning):
     # -- spills ----------------------------------------------------------------------
     def _evict_cpu(self, n: int) -> tuple[np.ndarray, SpillJob | None]:
         """Up to ``n`` CPU victims, sorted (the new keys get runs of consecutive slots), and their spill."""
+        if self.domain is not None and self.cpu.protect is None:
+            return self._make_room(n)
         victims = self.cpu.evict(min(n, self.cpu.evictable))
         if not len(victims):
             return victims, None
@@ -302,6 +316,22 @@ class TierManager(LoadPlanning):
             if fresh.any():
                 self._remote_spill = SpillJob(rows[fresh], victims[n_cold:][fresh], EMPTY, reuse=True)
         spill = self._spill_or_drop(victims, n_cold)
+        return np.sort(victims), spill
+
+    def _make_room(self, n: int) -> tuple[np.ndarray, SpillJob | None]:
+        """``_evict_cpu`` under the hierarchy's policy: one native call picks the CPU slots (cold ones,
+        blocks that leave, blocks that move down keeping their rank) and reserves the disk slots."""
+        victims, n_cold, _, spill_cpu, spill_disk, gone, dropped = self.cpu.make_room(n, self.disk_writable)
+        if not len(victims):
+            return victims, None
+        if self.remote_write == "write_back":
+            rows = self.cpu.keys.slot_keys[victims[n_cold:]]
+            fresh = ~self.remote_hits(rows)
+            if fresh.any():
+                self._remote_spill = SpillJob(rows[fresh], victims[n_cold:][fresh], EMPTY, reuse=True)
+        self._event("evicted", "disk", gone)
+        self._event("evicted", "cpu", self.cpu.keys.slot_keys[dropped])
+        spill = SpillJob(self.cpu.keys.slot_keys[spill_cpu], spill_cpu, spill_disk, reuse=True) if len(spill_cpu) else None
         return np.sort(victims), spill
 
     def take_remote_spill(self) -> SpillJob | None:

@@ -91,13 +91,13 @@ class PolicyView:
 class TierIndex(core.Tier):
     """Slots of one tier; the eviction policy orders its READY, unpinned slots."""
 
-    def __init__(self, name: str, num_slots: int, key_bytes: int, policy: str = "lru") -> None:
+    def __init__(self, name: str, num_slots: int, key_bytes: int, policy: str = "lru", *,
+                 key_seeds: bytes | None = None) -> None:  # fmt: skip
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
             raise TieredKVError(f"tier {name!r} needs at least one slot, got {num_slots!r}")
-        kind = KINDS.get(policy.lower()) if isinstance(policy, str) else None
-        if kind is None:
-            raise ConfigError(f"eviction.policy: unknown policy {policy!r}; allowed: {', '.join(KINDS)}")
-        super().__init__(name, num_slots, key_bytes, kind, seeds(), START, LOW, HIGH)
+        kind = policy_kind(policy)
+        # Tiers of one hierarchy share key_seeds: a key's tag (its history's identity) is the same in each.
+        super().__init__(name, num_slots, key_bytes, kind, key_seeds or seeds(), START, LOW, HIGH)
         self.state = self.state_view()  # uint8 per slot (FREE / RESERVED / READY); read-only by convention
         self.pins = self.pins_view()  # uint16 pin count per slot
         self.keys = TierKeys(self)
@@ -143,3 +143,26 @@ class TierIndex(core.Tier):
                 raise TieredKVError(f"{self.name}: a second chance lost {len(kept) - len(more)} victims")
             victims = np.concatenate([victims[~keep], more])
         return victims
+
+
+def policy_kind(policy: str) -> int:
+    kind = KINDS.get(policy.lower()) if isinstance(policy, str) else None
+    if kind is None:
+        raise ConfigError(f"eviction.policy: unknown policy {policy!r}; allowed: {', '.join(KINDS)}")
+    return kind
+
+
+def join_hierarchy(policy: str, cpu_slots: int, disk_slots: int, key_bytes: int) -> tuple[TierIndex, TierIndex, object]:
+    """A CPU tier and the disk tier below it under one policy (native/domain.hpp): a key's recency,
+    frequency and ghosts follow it between the tiers; the policy picks what spills and what leaves.
+
+    The tiers' own policies stay empty (LRU, no ghosts); each tier holds the domain and the other tier,
+    so none of the three outlives what its native pointers refer to."""
+    kind = policy_kind(policy)
+    key_seeds = seeds()
+    cpu = TierIndex("cpu", cpu_slots, key_bytes, "lru", key_seeds=key_seeds)
+    disk = TierIndex("disk", disk_slots, key_bytes, "lru", key_seeds=key_seeds)
+    domain = core.Domain(kind, cpu_slots, disk_slots, key_seeds, START, LOW, HIGH)
+    domain.attach(cpu, disk)
+    cpu.hierarchy, disk.hierarchy = (domain, disk), (domain, cpu)
+    return cpu, disk, domain

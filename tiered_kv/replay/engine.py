@@ -202,6 +202,9 @@ class EngineEmulator:
                 self.cache.touch(keys[:publish], session=req.session, expect_followup=not req.last_turn)
             else:
                 self.cache.touch(keys[n_gpu:publish])
+            # The GPU's hits too (the head, so last: most recent): the cache keeps the history of
+            # blocks it does not hold, so a block hit here is frequent when the GPU hands it down.
+            self.cache.touch(keys[: min(n_gpu, publish)], held=True)
             await self._serve(keys, gids, n_gpu, publish, evicted if self.exclusive else [])
             await self.gpu.ready(gids[:n_gpu])  # hits another request was still computing
             ok = True

@@ -85,6 +85,8 @@ def build_report(
             "total": total_hits / refs if refs else 0.0,
             **{t: n / refs if refs else 0.0 for t, n in hits.items()},
         },
+        # The flat cache of the same policy and total size: what one policy over the stack should reach.
+        "yardstick": _yardstick(result.policy, result.drop_partial, sims, total_hits / refs if refs else 0.0),
         "hit_blocks": {"total": total_hits, **hits},
         "tokens_not_recomputed": total_hits * result.block_tokens,
         "computed_blocks": s.computed,
@@ -126,6 +128,15 @@ def build_report(
             name: {"capacity_blocks": r.capacity_blocks, "hit_rate": r.hit_rate} for name, r in sims.items()
         },
     }
+
+
+def _yardstick(policy: str, drop_partial: bool, sims: dict, hit_rate: float) -> dict[str, Any] | None:
+    """The flat simulation of the replay's own policy (``{policy}_drop_partial`` when partial blocks are dropped)."""
+    name = f"{str(policy).lower()}_drop_partial" if drop_partial else str(policy).lower()
+    sim = sims.get(name)
+    if sim is None:
+        return None
+    return {"name": name, "hit_rate": sim.hit_rate, "gap_points": (hit_rate - sim.hit_rate) * 100}
 
 
 def _remote(result: ReplayResult) -> dict[str, Any]:
@@ -279,7 +290,10 @@ def yardstick_table(r: dict[str, Any]):
         f"{hr['total']:.1%}",
         " / ".join(f"{hr[k]:.1%}" for k in tiers),
     )
+    y = r.get("yardstick")
     for name, x in r["simulated"].items():
         label = YARDSTICK_NAMES.get(name, f"flat {name.replace('_drop_partial', ' + drop partial')}")
+        if y is not None and name == y["name"]:
+            label += f"  <- this policy's yardstick ({y['gap_points']:+.2f} pts)"
         t.add_row(label, f"{x['capacity_blocks']:,}", f"{x['hit_rate']:.1%}", "")
     return t
