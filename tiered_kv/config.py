@@ -335,8 +335,8 @@ def check_host_resources(cfg: Config, bytes_per_block: int) -> None:
     slots = cpu_slots + disk_slots
     index = slots * SLOT_OVERHEAD_BYTES
     ghosts = ""
-    if cfg.eviction.policy == "window":  # its ghosts live in the last local tier's index
-        extra = (disk_slots or cpu_slots) * GHOST_BYTES_PER_SLOT
+    if cfg.eviction.policy == "window":  # one policy over CPU + disk: ghosts for all their slots
+        extra = slots * GHOST_BYTES_PER_SLOT
         index += extra
         ghosts = f", {format_size(extra)} of it the ghosts of eviction.policy 'window'"
     available = mem_available()

@@ -198,8 +198,13 @@ def test_report_stands_the_replay_beside_every_yardstick_at_its_total(tmp_path, 
         assert rep["simulated"][name] == {"capacity_blocks": total, "hit_rate": r.hit_rate}, name
     hr = rep["hit_rate"]
     assert hr["total"] == pytest.approx(hr["gpu"] + hr["cpu"] + hr["disk"] + hr["pending"])
+    # The run's own policy's flat cache (partial blocks dropped, as the run drops them) is its yardstick.
+    y = rep["yardstick"]
+    assert y["name"] == "lru_drop_partial" and y["hit_rate"] == want["lru_drop_partial"].hit_rate
+    assert y["gap_points"] == pytest.approx((hr["total"] - y["hit_rate"]) * 100)
     main(["replay", "--config", path, "--no-progress"])  # the table renders every row
     table = capsys.readouterr().out
+    assert "this policy's yardstick" in table, table
     for label in ("flat lru + drop partial", "flat belady + drop partial", "tiered_kv replay (lru)", "unbounded"):
         assert label in table, table
 

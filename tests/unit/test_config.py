@@ -261,7 +261,7 @@ def test_cpu_tier_beyond_memory_needs_allow_overcommit():
 
 
 def test_the_window_policy_s_ghosts_count_against_memory(tmp_path, monkeypatch):
-    """The window's ghosts (GHOST_BYTES_PER_SLOT per slot of the tier that runs it, the disk here) are part of the index."""
+    """The window's ghosts (GHOST_BYTES_PER_SLOT per slot of CPU + disk: one policy over both) are part of the index."""
     disk = {"enabled": True, "path": str(tmp_path / "cache"), "capacity": "1GiB"}
     data = {"model": {"model_id": "m", "bytes_per_block": "16KiB"}, "tiers": {"cpu": {"capacity": "16MiB"}, "disk": disk}}
     index = (1024 + 65536) * 256
@@ -270,7 +270,7 @@ def test_the_window_policy_s_ghosts_count_against_memory(tmp_path, monkeypatch):
     data["eviction"] = {"policy": "window"}
     with pytest.raises(tkv.ConfigError, match=r"tiers\.cpu\.capacity: .* ghosts of eviction\.policy 'window'") as info:
         tkv.load_config(data)
-    assert GHOST_BYTES_PER_SLOT > 100 and str(16 * 2**20 + index + 65536 * GHOST_BYTES_PER_SLOT) in str(info.value)
+    assert GHOST_BYTES_PER_SLOT > 100 and str(16 * 2**20 + index + (1024 + 65536) * GHOST_BYTES_PER_SLOT) in str(info.value)
 
 
 def test_disk_tier_beyond_free_space_needs_allow_overcommit(tmp_path):

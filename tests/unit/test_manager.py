@@ -123,6 +123,28 @@ def test_one_policy_spans_cpu_and_disk_and_a_blocks_history_survives_promotion()
     m.check_invariants()
 
 
+def test_a_spilled_block_keeps_its_rank_and_the_hierarchys_victim_leaves_from_the_cpu():
+    """ARC: a block hit twice is frequent, and stays so on disk. LRU: blocks touched on disk are more recent
+    than the CPU's, so when both tiers are full the CPU's own blocks leave (no spill) and the disk keeps its."""
+    m = TierManager(2, 4, KB, "arc")
+    a = keys("a", 2)
+    store(m, a)
+    m.touch(a)  # T2
+    store(m, keys("b", 2))  # a moves down, still frequent
+    assert m.lookup(a).disk == 2 and m.disk.policy.list_sizes() == (0, 2)
+    m.check_invariants()
+
+    m = TierManager(2, 2, KB, "lru")
+    a, b = keys("a", 2), keys("b", 2)
+    store(m, a)
+    store(m, b)  # a on disk
+    m.touch(a)  # the disk's blocks are now the most recent of the hierarchy
+    plan = store(m, keys("c", 2))
+    assert plan.spill is None  # b, the least recent anywhere, left from the CPU
+    assert m.lookup(a).disk == 2 and m.lookup(b).total == 0
+    m.check_invariants()
+
+
 def test_the_engines_own_hits_become_history_for_when_it_stores_the_block():
     """touch(held=True) of keys no tier holds records a reference: stored later, the block goes to ARC's T2."""
     m = TierManager(4, 16, KB, "arc")

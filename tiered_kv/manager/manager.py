@@ -7,10 +7,13 @@ a plan of slots (plus the spill its evictions imply) -> ``complete_store(ok)``;
 It never touches bytes and never awaits, so it is testable without an event
 loop; the async mover executes its plans.
 
-Placement: CPU and disk act as one exclusive LRU, written back on eviction: a
-dirty CPU victim is written to disk before its slot's new owner is copied in, a
-clean one is dropped, and a promoted block's disk copy stays only as the disk's
-first eviction candidate (see tier_index.py, the cold list).
+Placement: CPU and disk are exclusive and run one eviction policy (native/domain.hpp):
+a key's recency, frequency and ghosts follow its block down and up. When the CPU needs
+room, the block the policy ranks first among the CPU's moves down keeping its rank
+(written back: a dirty one is written to disk before its slot's new owner is copied in,
+a clean one takes its disk copy's place); when the disk is full too, the policy's victim
+over both tiers leaves, wherever it lives. A promoted block's disk copy stays only as the
+disk's first eviction candidate (see tier_index.py, the cold list).
 Requests' keys are inserted and touched last block first, so a prefix's head is
 always the most recent and its tail is evicted first.
 """
