@@ -103,6 +103,7 @@ class TieredKVCache(Moves, Lifecycle):
             self._slots["cpu"], self._slots.get("disk"), self._key_bytes, cfg.eviction.policy,
             write_through=cfg.tiers.disk.spill_policy == "write_through", on_event=self._count_event,
             staging_slots=self._staging, protect_share=cfg.eviction.protect_share,
+            session_idle_s=cfg.eviction.session_idle_s,
         )  # fmt: skip
 
     def _count_event(self, kind: str, tier: str, n: int) -> None:
@@ -238,8 +239,10 @@ class TieredKVCache(Moves, Lifecycle):
 
         ``session``: the keys are that live session's current chain (see ``release``);
         ``expect_followup``: the frontend expects its next turn, so its blocks are
-        protected (an eviction gives them a second chance), up to ``eviction.protect_share``
-        of the CPU + disk slots over all sessions (the oldest lose it first).
+        protected: they outrank every block of no protected session in every tier, up to
+        ``eviction.protect_share`` of the CPU + disk slots over all sessions (the oldest lose it
+        first), until the session ends, idles past ``eviction.session_idle_s`` or a turn comes
+        without ``expect_followup``.
         ``held``: the engine's own prefix cache holds these blocks (a hit there): the reference is
         recorded (the key's history, for the next time the engine stores it) and copies the engine
         loaded stay the first eviction candidates.

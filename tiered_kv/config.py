@@ -116,8 +116,12 @@ class GpuConfig(Section):
 
 class EvictionConfig(Section):
     policy: PolicyName = "lru"
-    # Share of the CPU + disk slots that live sessions expecting a follow-up may protect (hints).
-    protect_share: float = Field(0.5, ge=0, le=1)
+    # Share of the CPU + disk slots that live sessions expecting a follow-up may protect (hints): their
+    # blocks outrank every other block until the session ends or idles. 0.9 lets the conversations of a
+    # chat service keep almost the whole tier while one-off traffic always keeps a tenth of it.
+    protect_share: float = Field(0.9, ge=0, le=1)
+    # A protected session with no request for this long loses its protection (it stays live).
+    session_idle_s: float = Field(600.0, gt=0)
 
 
 class TransferConfig(Section):

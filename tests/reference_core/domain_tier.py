@@ -2,7 +2,7 @@
 
 The tier keeps its states, pins, keys and cold list; its blocks' order, ghosts and history are the
 domain's (domain.py). ``DomainView`` stands where a standalone tier has its policy, so the reference
-TierIndex's own code (second chances, check_invariants) runs unchanged over the hierarchy's order.
+TierIndex's own code (check_invariants) runs unchanged over the hierarchy's order.
 """
 
 from __future__ import annotations
@@ -147,8 +147,6 @@ class DomainTier(TierIndex):
             self.evicted_cold = n
             return cold
         victims = self.domain_evict(n - len(cold))
-        if self.protect is not None:
-            victims = self._second_chance(victims)
         self.evicted_cold = len(cold)
         return np.concatenate([cold, victims]) if len(cold) else victims
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -37,7 +37,6 @@ class TierIndex:
         self.n_ready_pinned = 0  # READY slots with pins > 0 (not evictable)
         self.policy = make_policy(policy, num_slots, key_tag=self.keys.key_tags) if isinstance(policy, str) else policy
         self.cold = LRUPolicy(num_slots)
-        self.protect: Callable[[np.ndarray], np.ndarray] | None = None  # key rows -> protected (hints)
         self.evicted_cold = 0  # how many of the last evict()'s victims (the leading ones) came from the cold list
 
     # -- queries ----------------------------------------------------------------------
@@ -150,25 +149,8 @@ class TierIndex:
         victims = self.policy.evict(n - len(cold), self.pins)
         if len(victims) != n - len(cold):  # the counts disagree with the lists: a bug, never silently
             raise TieredKVError(f"{self.name}: {self.evictable} evictable slots counted but fewer found")
-        if self.protect is not None:
-            victims = self._second_chance(victims)
         self.evicted_cold = len(cold)
         return np.concatenate([cold, victims]) if len(cold) else victims
-
-    def _second_chance(self, victims: np.ndarray) -> np.ndarray:
-        """Victims of a protected session go back as most recent and others are taken instead,
-        for a few rounds; when there are no others, they go after all."""
-        for _ in range(3):
-            keep = self.protect(self.keys.slot_keys[victims])
-            if not keep.any():
-                break
-            kept = victims[keep]
-            self.policy.insert(kept)
-            more = self.policy.evict(len(kept), self.pins)
-            if len(more) != len(kept):  # cannot happen (kept are candidates again); never silently
-                raise TieredKVError(f"{self.name}: a second chance lost {len(kept) - len(more)} victims")
-            victims = np.concatenate([victims[~keep], more])
-        return victims
 
     def demote(self, slots: np.ndarray, *, loaded: bool = False) -> None:
         """Make READY slots the first eviction candidates (oldest first in array order).

@@ -141,7 +141,7 @@ def test_lookup_counts_blocks_in_flight_as_pending_hits():
     assert m.lookup(ks) == LookupResult(2, 2, 0, 0)
 
 
-def test_a_live_session_expecting_a_follow_up_gets_a_second_chance():
+def test_a_live_session_expecting_a_follow_up_outranks_every_one_off_block():
     m = TierManager(6, None, 32, protect_share=1.0)
     s1, other = keys("s1", 2), keys("other", 2)
     store(m, s1)
@@ -169,3 +169,62 @@ def test_protection_is_capped_and_the_oldest_session_loses_it_first():
     assert m.lookup(s1).total == 0 and m.lookup(s2).total == 2
     store(m, keys("newer", 2))  # s2 is the oldest now, but protected: x goes
     assert m.lookup(s2).total == 2 and m.lookup(keys("x", 2)).total == 0
+
+
+def test_protected_blocks_outlast_any_amount_of_one_off_traffic_and_go_only_when_nothing_else_can():
+    """Not a second chance: ten tiers' worth of one-off blocks pass through and the session's chain stays.
+    When protected blocks are all that is left, a store takes them after all, in the policy's order."""
+    for policy in ("lru", "arc", "window"):
+        m = TierManager(8, None, 32, policy, protect_share=1.0)
+        chat = keys("chat", 4)
+        store(m, chat)
+        m.hint("c", chat, protect=True)
+        for i in range(40):
+            store(m, keys(f"one-off{i}", 2))
+        assert m.lookup(chat).total == 4, policy
+        store(m, keys("big", 8))  # more than the unprotected blocks: the chain goes too, tail first
+        assert m.lookup(chat).total == 0 and m.lookup(keys("big", 8)).total == 8, policy
+        m.check_invariants()
+
+
+def test_hints_rank_across_cpu_and_disk_under_one_policy():
+    """With a disk tier the protected blocks are held in both tiers: one-off blocks move down and leave first."""
+    m = TierManager(4, 4, 32, "arc", protect_share=1.0)
+    chat = keys("chat", 3)
+    store(m, chat)
+    m.hint("c", chat, protect=True)
+    for i in range(12):
+        store(m, keys(f"one-off{i}", 2))
+    assert m.lookup(chat).total == 3
+    m.check_invariants()
+
+
+def test_a_session_idle_past_the_bound_loses_its_protection():
+    now = [0.0]
+    m = TierManager(6, None, 32, protect_share=1.0, session_idle_s=60.0)
+    m.sessions._clock = lambda: now[0]
+    chat = keys("chat", 2)
+    store(m, chat)
+    m.hint("c", chat, protect=True)
+    now[0] = 59.0
+    store(m, keys("a", 4))
+    store(m, keys("b", 2))  # still protected: a goes
+    assert m.lookup(chat).total == 2
+    now[0] = 61.0  # idle past the bound: an ordinary (old) chain now
+    store(m, keys("c", 4))
+    assert m.lookup(chat).total == 0 and m.sessions.n_protected == 0 and "c" in m.sessions
+
+
+def test_marking_everything_expect_followup_is_held_to_the_share():
+    """A client that marks every request: at most protect_share of the slots are protected, so one-off
+    traffic keeps the rest, and the oldest marked chains lose protection first."""
+    m = TierManager(10, None, 32, protect_share=0.5)  # at most 5 keys
+    for i in range(6):
+        ks = keys(f"greedy{i}", 2)
+        store(m, ks)
+        m.hint(f"g{i}", ks, protect=True)
+    assert m.sessions.n_protected <= 5
+    for i in range(10):
+        store(m, keys(f"one-off{i}", 1))
+    assert sum(m.lookup(keys(f"greedy{i}", 2)).total for i in range(6)) <= 5
+    m.check_invariants()

@@ -28,6 +28,7 @@ import numpy as np
 from ..core import core
 from .loading import LoadPlanning, Staging, key_rows, repeats
 from .plans import LookupResult, SpillJob, StorePlan
+from .ranking import merge_victims, ranked
 from .sessions import Sessions
 from .tier_index import EMPTY, READY, TierIndex, join_hierarchy
 
@@ -52,6 +53,7 @@ class TierManager(LoadPlanning):
         max_events: int = 1 << 16,
         staging_slots: int = 0,
         protect_share: float = 0.0,
+        session_idle_s: float = 600.0,
         on_event: Callable[[str, str, int], None] | None = None,
     ) -> None:
         self.key_bytes = key_bytes
@@ -68,7 +70,8 @@ class TierManager(LoadPlanning):
         self._events: deque[tuple[str, str, np.ndarray]] = deque(maxlen=max_events)
         self.disk_invalidate: list[np.ndarray] = []  # disk slots dropped for good: the store forgets them
         self._on_event = on_event  # (kind, tier, count): the facade's metrics
-        self.sessions = Sessions(key_bytes, max_protected=int(protect_share * (cpu_slots + (disk_slots or 0))))
+        self.sessions = Sessions(key_bytes, max_protected=int(protect_share * (cpu_slots + (disk_slots or 0))),
+                                 idle_s=session_idle_s)  # fmt: skip
         # Slab rows cpu_slots .. cpu_slots + staging_slots - 1: exclusive loads stage through them.
         self.staging = Staging(cpu_slots, staging_slots) if staging_slots > 0 else None
         self.remote_known: Callable[[np.ndarray], np.ndarray] | None = None  # set by the facade
@@ -132,7 +135,7 @@ class TierManager(LoadPlanning):
         of a chunked prefill). The chain's resident blocks are held while this call evicts,
         so a continuation never evicts its own head (which would orphan everything after it).
         """
-        if self.fused and self.disk is None and self.remote_write is None and self.cpu.protect is None:
+        if self.fused and self.disk is None and self.remote_write is None and not self.sessions.n_protected:
             return self._prepare_store_cpu(keys, gpu_ids, prefix)
         n = len(keys)
         rows = key_rows(keys, self.key_bytes)
@@ -282,11 +285,7 @@ class TierManager(LoadPlanning):
     def hint(self, session, keys: Sequence[bytes], protect: bool = False) -> None:
         """``keys`` are the live session's current chain; ``protect``: a follow-up is expected."""
         rows = key_rows(keys, self.key_bytes).copy() if len(keys) else np.zeros((0, self.key_bytes), np.uint8)
-        self.sessions.register(session, rows, protect)
-        if protect and self.cpu.protect is None:  # from now on evictions give protected blocks a second chance
-            for tier in (self.cpu, self.disk):
-                if tier is not None:
-                    tier.protect = self.sessions.protected
+        self.sessions.register(session, rows, protect)  # protected blocks outrank the rest (ranking.py)
 
     def release(self, session) -> list[bytes]:
         """The session ended: its chain's unshared blocks become first eviction candidates everywhere.
@@ -307,12 +306,13 @@ class TierManager(LoadPlanning):
     # -- spills ----------------------------------------------------------------------
     def _evict_cpu(self, n: int) -> tuple[np.ndarray, SpillJob | None]:
         """Up to ``n`` CPU victims, sorted (the new keys get runs of consecutive slots), and their spill."""
-        if self.domain is not None and self.cpu.protect is None:
+        if self.domain is not None:
             return self._make_room(n)
-        victims = self.cpu.evict(min(n, self.cpu.evictable))
+        cpu = self.cpu
+        parts = ranked(self.sessions, (cpu,), n, lambda k: (cpu.evict(min(k, cpu.evictable)), cpu.evicted_cold))
+        victims, n_cold = merge_victims([p[0] for p in parts], [p[1] for p in parts])
         if not len(victims):
             return victims, None
-        n_cold = self.cpu.evicted_cold
         if self.remote_write == "write_back":
             rows = self.cpu.keys.slot_keys[victims[n_cold:]]
             fresh = ~self.remote_hits(rows)
@@ -323,8 +323,12 @@ class TierManager(LoadPlanning):
 
     def _make_room(self, n: int) -> tuple[np.ndarray, SpillJob | None]:
         """``_evict_cpu`` under the hierarchy's policy: one native call picks the CPU slots (cold ones,
-        blocks that leave, blocks that move down keeping their rank) and reserves the disk slots."""
-        victims, n_cold, _, spill_cpu, spill_disk, gone, dropped = self.cpu.make_room(n, self.disk_writable)
+        blocks that leave, blocks that move down keeping their rank) and reserves the disk slots
+        (a second one when protected blocks had to be held back first: ranking.py)."""
+        parts = ranked(self.sessions, (self.cpu, self.disk), n, lambda k: self.cpu.make_room(k, self.disk_writable))
+        victims, n_cold = merge_victims([p[0] for p in parts], [p[1] for p in parts])
+        spill_cpu, spill_disk, dropped = (np.concatenate([p[i] for p in parts]) for i in (3, 4, 6))
+        gone = np.concatenate([p[5] for p in parts])
         if not len(victims):
             return victims, None
         if self.remote_write == "write_back":
@@ -392,7 +396,8 @@ class TierManager(LoadPlanning):
         slots = disk.reserve(rows)
         short = len(rows) - len(slots)
         if short:
-            victims = np.sort(disk.evict(min(short, disk.evictable)))
+            parts = ranked(self.sessions, (disk,), short, lambda k: (disk.evict(min(k, disk.evictable)),))
+            victims = np.sort(np.concatenate([p[0] for p in parts]))
             if len(victims):
                 self._event("evicted", "disk", disk.keys.slot_keys[victims])
                 disk.reassign(victims, rows[len(slots) : len(slots) + len(victims)])

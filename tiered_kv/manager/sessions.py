@@ -9,9 +9,12 @@ eviction candidates in every tier. A shared head (a system prompt) stays
 where the policy put it as long as some live session still holds it.
 
 A session registered with ``protect`` (the frontend expects a follow-up) has its
-chain protected: an eviction that picks one of its blocks gives it a second
-chance instead. At most ``max_protected`` keys are protected; beyond that the
-oldest protected sessions lose their protection (they stay live).
+chain protected: its blocks outrank every block of no protected session, in every
+tier (the manager holds them while an eviction picks; they go only when nothing
+else can). Protection is bounded three ways, so hints never starve unhinted
+traffic: at most ``max_protected`` keys (the oldest protected sessions lose it
+first), a session idle for ``idle_s`` (no request registered it since) loses it,
+and ``release`` ends it. A session that loses protection stays live.
 
 Held per live session, bounded by ``max_sessions`` (the oldest are forgotten
 without release when more arrive) and per key of a live chain by a reference
@@ -20,8 +23,9 @@ count; nothing here is per resident block.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import numpy as np
 
@@ -31,14 +35,18 @@ EMPTY_ROWS = np.zeros((0, 0), dtype=np.uint8)
 class Sessions:
     """Live sessions' chains and how many live sessions hold each key."""
 
-    def __init__(self, key_bytes: int, max_sessions: int = 1 << 16, max_protected: int = 0) -> None:
+    def __init__(self, key_bytes: int, max_sessions: int = 1 << 16, max_protected: int = 0, idle_s: float = 600.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.key_bytes = key_bytes
         self.max_sessions = max_sessions
         self.max_protected = max_protected
+        self.idle_s = idle_s
+        self._clock = clock
         self._chains: OrderedDict[Hashable, np.ndarray] = OrderedDict()
         self._refs: dict[bytes, int] = {}
-        self._protected: OrderedDict[Hashable, None] = OrderedDict()  # oldest first
+        self._protected: OrderedDict[Hashable, float] = OrderedDict()  # session -> last registered, oldest first
         self._prot_refs: dict[bytes, int] = {}
+        self._prot_rows: np.ndarray | None = None  # the protected keys as rows, rebuilt after a change
 
     def __len__(self) -> int:
         return len(self._chains)
@@ -55,8 +63,9 @@ class Sessions:
         if old is not None:
             self._count(self._refs, old, -1)
         if protect and self.max_protected > 0:
-            self._protected[session] = None
+            self._protected[session] = self._clock()
             self._count(self._prot_refs, rows, +1)
+            self._prot_rows = None
             while len(self._prot_refs) > self.max_protected and self._protected:
                 oldest = next(iter(self._protected))
                 self._unprotect(oldest, self._chains[oldest])
@@ -65,21 +74,29 @@ class Sessions:
             self._unprotect(dropped_session, dropped)
             self._count(self._refs, dropped, -1)
 
-    def protected(self, rows: np.ndarray) -> np.ndarray:
-        """Which rows belong to a protected live chain (a dict lookup per row; none when nothing is)."""
-        if not self._prot_refs or not len(rows):
-            return np.zeros(len(rows), dtype=bool)
-        refs = self._prot_refs
-        return np.fromiter((bytes(r) in refs for r in rows), dtype=bool, count=len(rows))
-
     @property
     def n_protected(self) -> int:
         return len(self._prot_refs)
+
+    def protected_rows(self) -> np.ndarray:
+        """``uint8[k, key_bytes]``: every protected key once, after idle sessions lost their protection."""
+        if self._protected and self.idle_s is not None:
+            expired = self._clock() - self.idle_s
+            while self._protected:
+                oldest, seen = next(iter(self._protected.items()))
+                if seen > expired:
+                    break
+                self._unprotect(oldest, self._chains[oldest])
+        if self._prot_rows is None:
+            keys = b"".join(self._prot_refs)
+            self._prot_rows = np.frombuffer(keys, dtype=np.uint8).reshape(len(self._prot_refs), self.key_bytes)
+        return self._prot_rows
 
     def _unprotect(self, session: Hashable, rows: np.ndarray | None) -> None:
         if session in self._protected:
             del self._protected[session]
             self._count(self._prot_refs, rows, -1)
+            self._prot_rows = None
 
     def release(self, session: Hashable) -> np.ndarray:
         """Forget the session; its chain's rows no live session holds any more (chain order)."""

@@ -27,8 +27,6 @@ Core methods (each takes a batch; slots are 1-D integer arrays, keys a list of `
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 
 from ..core import core, seeds
@@ -102,7 +100,6 @@ class TierIndex(core.Tier):
         self.pins = self.pins_view()  # uint16 pin count per slot
         self.keys = TierKeys(self)
         self.policy = PolicyView(self)
-        self.protect: Callable[[np.ndarray], np.ndarray] | None = None  # key rows -> protected (hints)
 
     @property
     def used(self) -> int:
@@ -116,33 +113,6 @@ class TierIndex(core.Tier):
     def nbytes(self) -> int:
         """Bytes the core holds for this tier (keys, table, states, pins, lists, ghosts)."""
         return self.core_nbytes
-
-    def evict(self, n: int) -> np.ndarray:
-        """Exactly n unpinned READY victims, out of the policy but still READY; or none.
-
-        The caller drops or reassigns every victim before it returns to the loop
-        (they still count as READY and evictable until then).
-        """
-        victims = super().evict(n)
-        if self.protect is not None and len(victims) > self.evicted_cold:
-            k = self.evicted_cold
-            victims = np.concatenate([victims[:k], self._second_chance(victims[k:])])
-        return victims
-
-    def _second_chance(self, victims: np.ndarray) -> np.ndarray:
-        """Victims of a protected session go back as most recent and others are taken instead,
-        for a few rounds; when there are no others, they go after all."""
-        for _ in range(3):
-            keep = self.protect(self.keys.slot_keys[victims])
-            if not keep.any():
-                break
-            kept = victims[keep]
-            self.policy_insert(kept)
-            more = self.policy_evict(len(kept))
-            if len(more) != len(kept):  # cannot happen (kept are candidates again); never silently
-                raise TieredKVError(f"{self.name}: a second chance lost {len(kept) - len(more)} victims")
-            victims = np.concatenate([victims[~keep], more])
-        return victims
 
 
 def policy_kind(policy: str) -> int:

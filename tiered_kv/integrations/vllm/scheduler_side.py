@@ -133,7 +133,7 @@ class SchedulerHalf:
         if uses_prompt_embeds(request):  # its positions carry placeholder token ids: no key names its KV
             self._no_store.add(rid)
             self.counters["prompt_embeds_requests"] += 1
-        hints = hints_of(request)
+        hints = hints_of(request, self.counters)
         if hints is not NO_HINTS:
             self._hints[rid] = hints
 

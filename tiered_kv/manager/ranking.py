@@ -1,0 +1,62 @@
+"""Hints that rank: blocks of live sessions expecting a follow-up outrank every other block.
+
+While an eviction picks its victims, the protected blocks of every tier are held (pinned), so the
+policy takes from everything else first, in its own order; only when that cannot fill the request
+are they released and taken, in the policy's order too. Pins, not reinsertion: the policy's lists,
+ghosts and adaptation see exactly what they would without hints, so a hint changes which block
+leaves, never a block's history. Costs one find and a pin per protected block per eviction that
+happens while any session is protected; nothing otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import numpy as np
+
+from .sessions import Sessions
+from .tier_index import EMPTY, TierIndex
+
+
+@contextmanager
+def protected_held(sessions: Sessions, tiers: tuple[TierIndex | None, ...]) -> Iterator[None]:
+    """Pin the READY blocks of protected keys in ``tiers`` for the duration (none when nothing is protected)."""
+    rows = sessions.protected_rows() if sessions.n_protected else None
+    held: list[tuple[TierIndex, np.ndarray]] = []
+    try:
+        if rows is not None and len(rows):
+            for tier in tiers:
+                if tier is not None:
+                    slots = tier.find_ready(rows)
+                    slots = slots[slots >= 0]
+                    if len(slots):
+                        tier.pin(slots)
+                        held.append((tier, slots))
+        yield
+    finally:
+        for tier, slots in held:
+            tier.unpin(slots)
+
+
+def ranked(sessions: Sessions, tiers: tuple[TierIndex | None, ...], n: int,
+           take: Callable[[int], tuple]) -> list[tuple]:  # fmt: skip
+    """``take(n)`` with protected blocks held, then, for what it could not find, ``take`` of the rest
+    with them released. Returns the one or two results (the caller merges them)."""
+    if not sessions.n_protected:
+        return [take(n)]
+    with protected_held(sessions, tiers):
+        first = take(n)
+    got = len(first[0])
+    if got >= n:
+        return [first]
+    return [first, take(n - got)]
+
+
+def merge_victims(parts: list[np.ndarray], cold: list[int]) -> tuple[np.ndarray, int]:
+    """Victim arrays whose leading ``cold[i]`` came from a cold list -> one array, every cold one first."""
+    if len(parts) == 1:
+        return parts[0], cold[0]
+    heads = [p[:c] for p, c in zip(parts, cold, strict=True)]
+    tails = [p[c:] for p, c in zip(parts, cold, strict=True)]
+    return np.concatenate(heads + tails) if parts else EMPTY, sum(cold)
