@@ -171,9 +171,10 @@ def test_protection_is_capped_and_the_oldest_session_loses_it_first():
     assert m.lookup(s2).total == 2 and m.lookup(keys("x", 2)).total == 0
 
 
-def test_protected_blocks_outlast_any_amount_of_one_off_traffic_and_go_only_when_nothing_else_can():
+def test_protected_blocks_outlast_any_amount_of_one_off_traffic_and_go_only_for_protected_blocks():
     """Not a second chance: ten tiers' worth of one-off blocks pass through and the session's chain stays.
-    When protected blocks are all that is left, a store takes them after all, in the policy's order."""
+    A one-off store larger than the unprotected room stores what fits rather than displace them; the
+    share bound takes protection from the oldest session when a new one would exceed it."""
     for policy in ("lru", "arc", "window"):
         m = TierManager(8, None, 32, policy, protect_share=1.0)
         chat = keys("chat", 4)
@@ -182,8 +183,12 @@ def test_protected_blocks_outlast_any_amount_of_one_off_traffic_and_go_only_when
         for i in range(40):
             store(m, keys(f"one-off{i}", 2))
         assert m.lookup(chat).total == 4, policy
-        store(m, keys("big", 8))  # more than the unprotected blocks: the chain goes too, tail first
-        assert m.lookup(chat).total == 0 and m.lookup(keys("big", 8)).total == 8, policy
+        big = store(m, keys("big", 8))  # more than the unprotected room: 4 are stored, the chain stays
+        assert len(big.cpu_slots) == 4 and m.lookup(chat).total == 4, policy
+        more = keys("more", 6)
+        m.hint("d", more, protect=True)  # 4 + 6 > 8 protected keys: the older session "c" loses it
+        store(m, more)  # big's 4, then chat (ordinary and oldest now) make the room
+        assert m.lookup(more).total == 6 and m.lookup(chat).total == 0, policy
         m.check_invariants()
 
 

@@ -3,7 +3,7 @@
 Usage: python engine_proc.py SPEC_JSON_FILE. The spec names the model dir, the
 tiered_kv config (absent: no connector, the baseline) and the steps:
 ``{"generate": [[ids...], ...]}`` (one batch through LLM.generate; ``"hints"`` adds
-``kv_transfer_params={"tiered_kv": hints}`` to its requests),
+``kv_transfer_params={"tiered_kv": hints}`` to its requests, ``"hints_each"`` one per prompt),
 ``{"reset": true}`` (llm.reset_prefix_cache()) or ``{"concurrent": [[ids...], ...]}``
 (all at once through AsyncLLM; the spec then sets ``"async": true``).
 ``"hold": true`` prints the report and then sleeps with the engine alive (to be killed).
@@ -81,7 +81,9 @@ def run_sync(spec: dict) -> list:
     for step in spec["steps"]:
         if step.get("reset"):
             ok, tries = False, 0
-            while not ok and tries < (100 if step.get("connector") else 1):  # refused while jobs are in flight
+            # Refused while jobs are in flight (the connector's, or stores still holding the engine's blocks):
+            # "connector" and "retry" try again for up to 5 s.
+            while not ok and tries < (100 if step.get("connector") or step.get("retry") else 1):
                 ok, tries = llm.reset_prefix_cache(reset_connector=bool(step.get("connector"))), tries + 1
                 if not ok:
                     time.sleep(0.05)
@@ -92,6 +94,11 @@ def run_sync(spec: dict) -> list:
             if step.get("hints"):  # kv_transfer_params {"tiered_kv": {...}} for every request of the step
                 params = sp.clone()
                 params.extra_args = {"kv_transfer_params": {"tiered_kv": step["hints"]}}
+            if step.get("hints_each"):  # one hint (or null) per prompt
+                params = [sp if h is None else sp.clone() for h in step["hints_each"]]
+                for p, h in zip(params, step["hints_each"], strict=True):
+                    if h is not None:
+                        p.extra_args = {"kv_transfer_params": {"tiered_kv": h}}
             if "embeds" in step:  # [[seed, n], ...]: prompts given as n random embeddings each
                 prompts = [embeds_prompt(spec["model"], seed, n) for seed, n in step["embeds"]]
             else:

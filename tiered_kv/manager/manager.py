@@ -152,7 +152,8 @@ class TierManager(LoadPlanning):
             held_cpu, held_disk = self._hold_chain(cpu_s, d_s, resident, prefix)
             try:
                 # Sorted, so the new keys get runs of consecutive slots (one copy per run).
-                victims, spill = self._evict_cpu(short)
+                wanted = rows[new_idx[len(slots) :]]
+                victims, spill = self._evict_cpu(short, self.sessions.any_protected(wanted))
                 if len(victims):
                     self.cpu.reassign(victims, rows[new_idx[len(slots) : len(slots) + len(victims)]])
                     slots = np.concatenate([slots, victims])
@@ -304,12 +305,14 @@ class TierManager(LoadPlanning):
         return [bytes(r) for r in rows]
 
     # -- spills ----------------------------------------------------------------------
-    def _evict_cpu(self, n: int) -> tuple[np.ndarray, SpillJob | None]:
-        """Up to ``n`` CPU victims, sorted (the new keys get runs of consecutive slots), and their spill."""
+    def _evict_cpu(self, n: int, for_protected: bool = True) -> tuple[np.ndarray, SpillJob | None]:
+        """Up to ``n`` CPU victims, sorted (the new keys get runs of consecutive slots), and their spill.
+        ``for_protected`` False: the room is for blocks of no protected session (ranking.py)."""
         if self.domain is not None:
-            return self._make_room(n)
+            return self._make_room(n, for_protected)
         cpu = self.cpu
-        parts = ranked(self.sessions, (cpu,), n, lambda k: (cpu.evict(min(k, cpu.evictable)), cpu.evicted_cold))
+        parts = ranked(self.sessions, (cpu,), n, lambda k: (cpu.evict(min(k, cpu.evictable)), cpu.evicted_cold),
+                       for_protected)  # fmt: skip
         victims, n_cold = merge_victims([p[0] for p in parts], [p[1] for p in parts])
         if not len(victims):
             return victims, None
@@ -321,11 +324,12 @@ class TierManager(LoadPlanning):
         spill = self._spill_or_drop(victims, n_cold)
         return np.sort(victims), spill
 
-    def _make_room(self, n: int) -> tuple[np.ndarray, SpillJob | None]:
+    def _make_room(self, n: int, for_protected: bool) -> tuple[np.ndarray, SpillJob | None]:
         """``_evict_cpu`` under the hierarchy's policy: one native call picks the CPU slots (cold ones,
         blocks that leave, blocks that move down keeping their rank) and reserves the disk slots
         (a second one when protected blocks had to be held back first: ranking.py)."""
-        parts = ranked(self.sessions, (self.cpu, self.disk), n, lambda k: self.cpu.make_room(k, self.disk_writable))
+        parts = ranked(self.sessions, (self.cpu, self.disk), n, lambda k: self.cpu.make_room(k, self.disk_writable),
+                       for_protected)  # fmt: skip
         victims, n_cold = merge_victims([p[0] for p in parts], [p[1] for p in parts])
         spill_cpu, spill_disk, dropped = (np.concatenate([p[i] for p in parts]) for i in (3, 4, 6))
         gone = np.concatenate([p[5] for p in parts])
@@ -396,7 +400,8 @@ class TierManager(LoadPlanning):
         slots = disk.reserve(rows)
         short = len(rows) - len(slots)
         if short:
-            parts = ranked(self.sessions, (disk,), short, lambda k: (disk.evict(min(k, disk.evictable)),))
+            parts = ranked(self.sessions, (disk,), short, lambda k: (disk.evict(min(k, disk.evictable)),),
+                           self.sessions.any_protected(rows[len(slots) :]))  # fmt: skip
             victims = np.sort(np.concatenate([p[0] for p in parts]))
             if len(victims):
                 self._event("evicted", "disk", disk.keys.slot_keys[victims])

@@ -1,8 +1,9 @@
 """Hints that rank: blocks of live sessions expecting a follow-up outrank every other block.
 
 While an eviction picks its victims, the protected blocks of every tier are held (pinned), so the
-policy takes from everything else first, in its own order; only when that cannot fill the request
-are they released and taken, in the policy's order too. Pins, not reinsertion: the policy's lists,
+policy takes from everything else first, in its own order. Only room for protected blocks (a
+protected session's next blocks, a hit being served) may then take protected ones, in the policy's
+order too; a one-off store that finds no unprotected room stores what fits and skips the rest. Pins, not reinsertion: the policy's lists,
 ghosts and adaptation see exactly what they would without hints, so a hint changes which block
 leaves, never a block's history. Costs one find and a pin per protected block per eviction that
 happens while any session is protected; nothing otherwise.
@@ -39,16 +40,18 @@ def protected_held(sessions: Sessions, tiers: tuple[TierIndex | None, ...]) -> I
             tier.unpin(slots)
 
 
-def ranked(sessions: Sessions, tiers: tuple[TierIndex | None, ...], n: int,
-           take: Callable[[int], tuple]) -> list[tuple]:  # fmt: skip
-    """``take(n)`` with protected blocks held, then, for what it could not find, ``take`` of the rest
-    with them released. Returns the one or two results (the caller merges them)."""
+def ranked(sessions: Sessions, tiers: tuple[TierIndex | None, ...], n: int, take: Callable[[int], tuple],
+           for_protected: bool) -> list[tuple]:  # fmt: skip
+    """``take(n)`` with protected blocks held; then, only when the room is for protected blocks
+    themselves (``for_protected``: a protected session's store, a hit being served), ``take`` of the
+    rest with them released. Room for anything else never displaces a protected block: what does not
+    fit is not stored. Returns the one or two results (the caller merges them)."""
     if not sessions.n_protected:
         return [take(n)]
     with protected_held(sessions, tiers):
         first = take(n)
     got = len(first[0])
-    if got >= n:
+    if got >= n or not for_protected:
         return [first]
     return [first, take(n - got)]
 

@@ -78,6 +78,11 @@ class Sessions:
     def n_protected(self) -> int:
         return len(self._prot_refs)
 
+    def any_protected(self, rows: np.ndarray) -> bool:
+        """Whether one of these key rows belongs to a protected chain (a dict lookup per row)."""
+        refs = self._prot_refs
+        return bool(refs) and any(bytes(r) in refs for r in rows)
+
     def protected_rows(self) -> np.ndarray:
         """``uint8[k, key_bytes]``: every protected key once, after idle sessions lost their protection."""
         if self._protected and self.idle_s is not None:
