@@ -21,6 +21,8 @@ KNOWN = {
     "released_blocks": "Blocks of ended sessions made the first to evict",
     "resets": "Connector resets (reset_prefix_cache with reset_connector)",
     "prompt_embeds_requests": "Requests with prompt embeddings (never stored or served)",
+    "malformed_hints": "Requests whose kv_transfer_params.tiered_kv hint was malformed (ignored)",
+    "unknown_hint_fields": "Unknown fields in kv_transfer_params.tiered_kv hints (ignored)",
 }
 
 
