@@ -40,20 +40,23 @@ def protected_held(sessions: Sessions, tiers: tuple[TierIndex | None, ...]) -> I
             tier.unpin(slots)
 
 
-def ranked(sessions: Sessions, tiers: tuple[TierIndex | None, ...], n: int, take: Callable[[int], tuple],
+def ranked(sessions: Sessions, tiers: tuple[TierIndex | None, ...], n: int, take: Callable[[int, int], tuple],
            for_protected: bool) -> list[tuple]:  # fmt: skip
-    """``take(n)`` with protected blocks held; then, only when the room is for protected blocks
-    themselves (``for_protected``: a protected session's store, a hit being served), ``take`` of the
-    rest with them released. Room for anything else never displaces a protected block: what does not
-    fit is not stored. Returns the one or two results (the caller merges them)."""
+    """``take(n, 0)`` with protected blocks held; then, only when the room is for protected blocks
+    themselves (``for_protected``: a protected session's store, a hit being served), ``take(rest, got)``
+    with them released. Room for anything else never displaces a protected block: what does not fit
+    is not stored. ``got``: the first call's victims, still READY and unpinned in no list until the
+    caller reassigns or drops them, so the tier's ``evictable`` still counts them and the second call
+    must ask for at most ``evictable - got`` (else the core's evict refuses). Returns the one or two
+    results (the caller merges them)."""
     if not sessions.n_protected:
-        return [take(n)]
+        return [take(n, 0)]
     with protected_held(sessions, tiers):
-        first = take(n)
+        first = take(n, 0)
     got = len(first[0])
     if got >= n or not for_protected:
         return [first]
-    return [first, take(n - got)]
+    return [first, take(n - got, got)]
 
 
 def merge_victims(parts: list[np.ndarray], cold: list[int]) -> tuple[np.ndarray, int]:

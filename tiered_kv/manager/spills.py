@@ -23,7 +23,7 @@ class Spills:
         if self.domain is not None:
             return self._make_room(n, for_protected)
         cpu = self.cpu
-        parts = ranked(self.sessions, (cpu,), n, lambda k: (cpu.evict(min(k, cpu.evictable)), cpu.evicted_cold),
+        parts = ranked(self.sessions, (cpu,), n, lambda k, out: (cpu.evict(min(k, cpu.evictable - out)), cpu.evicted_cold),
                        for_protected)  # fmt: skip
         victims, n_cold = merge_victims([p[0] for p in parts], [p[1] for p in parts])
         if not len(victims):
@@ -40,7 +40,7 @@ class Spills:
         """``_evict_cpu`` under the hierarchy's policy: one native call picks the CPU slots (cold ones,
         blocks that leave, blocks that move down keeping their rank) and reserves the disk slots
         (a second one when protected blocks had to be held back first: ranking.py)."""
-        parts = ranked(self.sessions, (self.cpu, self.disk), n, lambda k: self.cpu.make_room(k, self.disk_writable),
+        parts = ranked(self.sessions, (self.cpu, self.disk), n, lambda k, out: self.cpu.make_room(min(k, self.cpu.evictable - out), self.disk_writable),
                        for_protected)  # fmt: skip
         victims, n_cold = merge_victims([p[0] for p in parts], [p[1] for p in parts])
         spill_cpu, spill_disk, dropped = (np.concatenate([p[i] for p in parts]) for i in (3, 4, 6))
@@ -112,7 +112,7 @@ class Spills:
         slots = disk.reserve(rows)
         short = len(rows) - len(slots)
         if short:
-            parts = ranked(self.sessions, (disk,), short, lambda k: (disk.evict(min(k, disk.evictable)),),
+            parts = ranked(self.sessions, (disk,), short, lambda k, out: (disk.evict(min(k, disk.evictable - out)),),
                            self.sessions.any_protected(rows[len(slots) :]))  # fmt: skip
             victims = np.sort(np.concatenate([p[0] for p in parts]))
             if len(victims):
