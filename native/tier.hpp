@@ -123,6 +123,7 @@ public:
     // The slots' bytes have landed: READY and tracked; the LAST slot ends most recent.
     void commit(const i64* s, i64 m) {
         if (!m) return;
+        live("commit");
         expect(s, m, RESERVED, "commit");
         distinct(s, m, "commit");
         i64 pinned = 0;
@@ -140,6 +141,7 @@ public:
     // RESERVED slots whose copy failed, was cancelled or never started: their keys go, the slots are free.
     void abort(const i64* s, i64 m) {
         if (!m) return;
+        live("abort");
         expect(s, m, RESERVED, "abort");
         for (i64 i = 0; i < m; ++i)
             if (pins_[s[i]]) fail(Err::Tier, name_ + ": cannot abort pinned slots");
@@ -156,6 +158,7 @@ public:
     // Forget READY, unpinned blocks (evicted, corrupt, replaced); their slots become free.
     void drop(const i64* s, i64 m) {
         if (!m) return;
+        live("drop");
         expect(s, m, READY, "drop");
         for (i64 i = 0; i < m; ++i)
             if (pins_[s[i]]) fail(Err::Tier, name_ + ": cannot drop pinned slots");
@@ -176,28 +179,30 @@ public:
         evicted_cold_ = 0;
         out.clear();
         if (n <= 0 || n > evictable()) return;
+        live("evict");
         PinView pins{reinterpret_cast<const u8*>(pins_.data()), 2};
-        if (lists_.size(COLD)) {
-            lists_.candidates(COLD, n, pins, out);
-            for (i64 s : out) lists_.unlink(s);
-        }
+        // The cold candidates leave their list only once the policy's share is found: a refused
+        // evict (victims of an earlier call still outstanding, counted as evictable) changes nothing.
+        if (lists_.size(COLD)) lists_.candidates(COLD, n, pins, out);
         i64 cold = static_cast<i64>(out.size());
-        if (cold == n) {
-            evicted_cold_ = n;
-            return;
+        if (cold < n) {
+            if (dom_) {
+                domain_evict(n - cold, n);
+            } else if (!policy_.evict(n - cold, pins, victims_)) {
+                out.clear();
+                fail(Err::Tier, name_ + ": evict(" + S(n) + "): " + S(evictable()) + " evictable slots counted but only " +
+                                    S(cold) + " cold and fewer than " + S(n - cold) + " in the policy found (victims of an earlier evict still outstanding?)");
+            }
         }
-        if (dom_) {
-            domain_evict(n - cold);
-        } else if (!policy_.evict(n - cold, pins, victims_)) {
-            fail(Err::Tier, name_ + ": " + S(evictable()) + " evictable slots counted but fewer found");
-        }
-        out.insert(out.end(), victims_.begin(), victims_.end());
+        for (i64 i = 0; i < cold; ++i) lists_.unlink(out[i]);
+        if (cold < n) out.insert(out.end(), victims_.begin(), victims_.end());
         evicted_cold_ = cold;
     }
 
     // READY slots become the first eviction candidates (oldest first in array order); `loaded`: they
     // were hits that moved up to a faster tier (the window remembers them). Cold ones stay where they are.
     void demote(const i64* s, i64 m, bool loaded) {
+        live("demote");
         std::vector<i64> keep;
         keep.reserve(static_cast<size_t>(m));
         for (i64 i = 0; i < m; ++i)
@@ -221,6 +226,8 @@ public:
     // A batch names distinct slots (a repeat could step a count past MAX_PINS unchecked).
     void pin(const i64* s, i64 m) {
         distinct(s, m, "pin");
+        for (i64 i = 0; i < m; ++i)  // a pinned FREE slot could never be aborted once reserved again
+            if (state_[s[i]] == FREE) fail(Err::Tier, name_ + ": pin of slot " + S(s[i]) + ", which is FREE (holds no block)");
         check_pinnable(s, m);
         for (i64 i = 0; i < m; ++i) {
             if (pins_[s[i]] == 0 && state_[s[i]] == READY) ++n_ready_pinned_;
@@ -239,6 +246,7 @@ public:
 
     // Record hits; the LAST slot ends most recent. Cold slots go back to the policy first (ascending).
     void touch(const i64* s, i64 m) {
+        live("touch");
         if (lists_.size(COLD)) {
             std::vector<i64> cold;
             for (i64 i = 0; i < m; ++i)
@@ -260,6 +268,7 @@ public:
 
     // Blocks recovered from persistent storage, oldest first, into an empty index.
     void restore(const u8* const* keys, const i64* s, i64 m) {
+        live("restore");
         if (n_ready_ || n_reserved_) fail(Err::Tier, name_ + ": restore needs an empty index");
         for (i64 i = 0; i < m; ++i)
             if (s[i] < 0 || s[i] >= n_) fail(Err::Tier, name_ + ": recovered slots are out of range or used twice");
@@ -332,21 +341,23 @@ public:
         slots.resize(static_cast<size_t>(got));
         if (got == m) return;
         pin(held.data(), static_cast<i64>(held.size()));
+        std::vector<i64> victims;
         try {
-            std::vector<i64> victims;
-            evict(std::min(m - got, evictable()), victims);
-            if (!victims.empty()) {
-                evicted.resize(victims.size() * static_cast<size_t>(kb));
-                for (size_t v = 0; v < victims.size(); ++v) std::memcpy(evicted.data() + v * kb, keys_.key_at(victims[v]), kb);
-                std::sort(victims.begin(), victims.end());
-                reassign(victims.data(), static_cast<i64>(victims.size()), fresh.data() + got);
-                slots.insert(slots.end(), victims.begin(), victims.end());
-            }
-        } catch (...) {
+            evict(std::min(m - got, evictable()), victims);  // refuses with no change (evict)
+        } catch (...) {  // the reservation goes back exactly as it was taken: no slot RESERVED for no plan
             unpin(held.data(), static_cast<i64>(held.size()));
+            unreserve(slots.data(), got);
+            slots.clear();
             throw;
         }
         unpin(held.data(), static_cast<i64>(held.size()));
+        if (victims.empty()) return;
+        evicted.resize(victims.size() * static_cast<size_t>(kb));
+        for (size_t v = 0; v < victims.size(); ++v) std::memcpy(evicted.data() + v * kb, keys_.key_at(victims[v]), kb);
+        std::sort(victims.begin(), victims.end());
+        // Cannot refuse: the victims are READY, unpinned and out of every list, the keys absent and distinct.
+        reassign(victims.data(), static_cast<i64>(victims.size()), fresh.data() + got);
+        slots.insert(slots.end(), victims.begin(), victims.end());
     }
 
     // prepare_load for a tier with nothing below it, as one call: the keys before the first repeat
@@ -426,6 +437,7 @@ public:
         policy_.ghosts().check();
         keys_.check();
         if (!dom_) return;
+        live("check_invariants");
         // The mirror and the domain's lists agree on this tier's nodes; a node outside the mirror is
         // a block in flight down to this tier (RESERVED: its spill keeps its rank).
         for (i64 x = 0; x < n_; ++x) {
@@ -442,12 +454,39 @@ public:
     }
 
     // -- one policy over the hierarchy (domain.hpp) ------------------------------------------------
-    // Join `d` as its level 0 (CPU) or 1 (disk) tier, while empty; `above` / `below`: the other tier.
-    void attach(Domain& d, int level, Tier* other) {
-        if (n_ready_ || n_reserved_) fail(Err::Tier, name_ + ": a tier joins a hierarchy while empty");
+    // `cpu` and `disk` join `d` as its levels 0 and 1: both are checked before either changes, so a
+    // refused attach leaves all three as they were. The binding ties the domain's lifetime to the
+    // tiers'; a tier that goes first detaches (~Tier) and the other then refuses the domain's calls.
+    static void attach_pair(Domain& d, Tier& cpu, Tier& disk) {
+        if (&cpu == &disk) fail(Err::Tier, cpu.name_ + ": one tier cannot be both levels of a hierarchy");
+        if (cpu.keys_.key_bytes() != disk.keys_.key_bytes())
+            fail(Err::Tier, "a hierarchy's tiers need one key length: " + cpu.name_ + " has " + S(cpu.keys_.key_bytes()) +
+                                " bytes, " + disk.name_ + " " + S(disk.keys_.key_bytes()));
+        cpu.check_attach(d, 0);
+        disk.check_attach(d, 1);
+        cpu.attach(d, 0, &disk);
+        disk.attach(d, 1, &cpu);
+    }
+    ~Tier() {
+        if (!dom_) return;
+        dom_->lost = true;  // the other tier refuses every call that reads the domain from now on
+        dom_->pins.state[level_] = nullptr;
+        dom_->pins.pins[level_] = nullptr;
+        if (other_) other_->other_ = nullptr;
+    }
+
+private:
+    void check_attach(const Domain& d, int level) const {
+        if (dom_) fail(Err::Tier, name_ + ": the tier is already part of a hierarchy");
+        if (n_ready_ || n_reserved_)
+            fail(Err::Tier, name_ + ": a tier joins a hierarchy while empty (it holds " + S(n_ready_) + " READY and " +
+                                S(n_reserved_) + " RESERVED slots)");
         if (d.attached[level]) fail(Err::Tier, name_ + ": the hierarchy already has a level " + S(level) + " tier");
+        if (d.lost) fail(Err::Tier, name_ + ": the hierarchy lost a tier");
         i64 want = level == 0 ? d.split : static_cast<i64>(d.tags.size()) - d.split;
         if (want != n_) fail(Err::Tier, name_ + ": the hierarchy has " + S(want) + " slots at level " + S(level) + ", the tier " + S(n_));
+    }
+    void attach(Domain& d, int level, Tier* other) {
         dom_ = &d;
         level_ = level;
         base_ = level == 0 ? 0 : d.split;
@@ -457,11 +496,28 @@ public:
         d.pins.pins[level] = pins_.data();
         d.pins.split = d.split;
     }
+    // Refuses when the hierarchy's other tier was freed (its states, pins and keys are gone).
+    void live(const char* op) const {
+        if (dom_ && dom_->lost)
+            fail(Err::Tier, name_ + ": " + op + ": the hierarchy's other tier was freed; this tier cannot use the shared policy");
+    }
+
+public:
     bool in_domain() const { return dom_ != nullptr; }
     const Domain* domain() const { return dom_; }
 
     // Policy insert of READY slots (the LAST most recent), through the hierarchy's policy when attached.
     void policy_insert(const i64* s, i64 m) {
+        live("policy_insert");
+        expect(s, m, READY, "policy_insert");
+        distinct(s, m, "policy_insert");
+        for (i64 i = 0; i < m; ++i) {  // a slot in two lists (the cold list and the policy's) breaks both
+            if (lists_.lid(s[i]) != NO_LIST)
+                fail(Err::Tier, name_ + ": policy_insert of slot " + S(s[i]) + ", which is in list " + S(lists_.lid(s[i])) +
+                                    (lists_.lid(s[i]) == COLD ? " (the cold list)" : " (the policy's)"));
+            if (dom_ && dom_->lists.lid(node(s[i])) != NO_LIST)
+                fail(Err::Tier, name_ + ": policy_insert of slot " + S(s[i]) + ", which the hierarchy's policy already holds");
+        }
         if (!dom_) return policy_.insert(s, m);
         std::vector<i64> at(s, s + m);
         for (i64 i = 0; i < m; ++i) {
@@ -474,18 +530,20 @@ public:
     // Up to n policy victims among this tier's blocks (unpinned, READY), out of the lists.
     void policy_evict(i64 n, std::vector<i64>& out) {
         out.clear();
+        live("policy_evict");
         if (!dom_) {
             PinView pins{reinterpret_cast<const u8*>(pins_.data()), 2};
             policy_.evict(n, pins, out);
             return;
         }
-        domain_evict(n);
+        domain_evict(n, n);
         out = victims_;
     }
 
     // References to keys no tier of the hierarchy holds (the engine's GPU has them): their history.
     void note(const u8* const* keys, i64 m) {
         if (!dom_) return;
+        live("note");
         for (i64 i = 0; i < m; ++i) {
             if (keys_.find(keys[i]) >= 0 || (other_ && other_->keys_.find(keys[i]) >= 0)) continue;
             dom_->note(keys_.hash(keys[i]));
@@ -494,6 +552,7 @@ public:
 
     // This tier's nodes in the hierarchy's eviction order (tests and debugging).
     std::vector<i64> domain_order() const {
+        live("policy_order");
         std::vector<i64> out;
         for (i64 p : dom_->policy.order())
             if ((p >= dom_->split) == (level_ == 1)) out.push_back(p - base_);
@@ -512,6 +571,7 @@ public:
     i64 make_room(i64 n, bool spill, std::vector<i64>& victims, std::vector<i64>& dropped, std::vector<i64>& spill_cpu,
                   std::vector<i64>& spill_disk, std::vector<u8>& gone_disk) {
         if (!dom_ || level_ != 0) fail(Err::Tier, name_ + ": make_room needs the CPU tier of a hierarchy");
+        live("make_room");
         Tier* below = spill ? other_ : nullptr;
         victims.clear();
         dropped.clear();
@@ -544,7 +604,19 @@ public:
             }
             const u8* key = keys_.key_at(c);
             i64 dup = below->find_ready(key);
-            if (dup >= 0 && below->lists_.lid(dup) == COLD) {  // a clean copy below takes the block's rank
+            if (dup < 0 && below->keys_.find(key) >= 0) dup = -2;  // RESERVED below: a copy in flight down
+            if (dup == -2 || (dup >= 0 && below->lists_.lid(dup) != COLD)) {
+                // The disk holds the key with a rank (or a copy in flight) of its own: reserving it there
+                // would refuse half way through this call, so the CPU block leaves as a clean drop (no
+                // ghost: its key stays in the hierarchy) and the copy below keeps its own rank.
+                lists_.unlink(c);
+                dom_->lists.unlink(node(c));
+                victims.push_back(c);
+                dropped.push_back(c);
+                ++clean;
+                continue;
+            }
+            if (dup >= 0) {  // a clean copy below (cold) takes the block's rank
                 lists_.unlink(c);
                 below->lists_.unlink(dup);
                 dom_->lists.replace(node(c), below->node(dup));
@@ -605,11 +677,12 @@ private:
     }
 
     // n policy victims among this tier's blocks into victims_, out of both lists.
-    void domain_evict(i64 n) {
+    void domain_evict(i64 n, i64 asked) {
         DomainPins only = dom_->pins;
         only.only = level_;
         if (!dom_->policy.evict(n, only, victims_))
-            fail(Err::Tier, name_ + ": " + S(evictable()) + " evictable slots counted but fewer found");
+            fail(Err::Tier, name_ + ": evict(" + S(asked) + "): " + S(evictable()) + " evictable slots counted but fewer than " +
+                                S(n) + " found in the hierarchy's policy (victims of an earlier evict still outstanding?)");
         for (i64& p : victims_) {
             p -= base_;
             lists_.unlink(p);
@@ -656,6 +729,16 @@ private:
             for (i64 i = 0; i < done; ++i) keys_.remove(slots[i]);
             throw;
         }
+    }
+    // Undo the last reserve() of these m slots (nothing happened since): keys out, FREE, and back on
+    // the free stack's top in the order reserve() popped them (the stack's entries are still there).
+    void unreserve(const i64* s, i64 m) {
+        for (i64 i = 0; i < m; ++i) {
+            keys_.remove(s[i]);
+            state_[s[i]] = FREE;
+        }
+        n_reserved_ -= m;
+        nfree_ += m;
     }
     void push_free(const i64* s, i64 m) {
         if (nfree_ + m > n_) fail(Err::Tier, name_ + ": more slots freed than exist");
