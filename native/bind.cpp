@@ -48,7 +48,15 @@ py::list keys_list(const KeyTable& t, const SlotArgs& s, const char* op) {
 
 // Where each key is: its CPU slot and whether READY; for a key with no CPU entry in any state, its
 // disk slot and whether READY; pending: RESERVED in the CPU tier, or in the disk tier (being spilled).
+// The disk tier hashes keys of its own length out of buffers copied at the CPU's: they must agree.
+void same_key_length(const Tier& cpu, const Tier* disk, const char* op) {
+    if (disk && disk->keys().key_bytes() != cpu.keys().key_bytes())
+        raise(Err::Tier, std::string(op) + ": the tiers use different key lengths: " + cpu.name() + " " +
+                             S(cpu.keys().key_bytes()) + " bytes, " + disk->name() + " " + S(disk->keys().key_bytes()));
+}
+
 py::tuple locate(Tier& cpu, Tier* disk, py::handle keys) {
+    same_key_length(cpu, disk, "locate");
     KeyArgs k = key_args(keys, cpu.keys().key_bytes());
     i64 n = k.size();
     py::array_t<i64> cs(n), ds(n);
@@ -175,6 +183,7 @@ PYBIND11_MODULE(_core, m) {
     m.attr("MAX_SLOTS") = MAX_SLOTS;
     m.attr("GHOST_BYTES") = 25;  // per ghost at the bound (lists.hpp)
     m.def("leading_run", [](const Tier& cpu, const Tier* disk, py::handle keys) {
+        same_key_length(cpu, disk, "leading_run");
         KeyArgs k = key_args(keys, cpu.keys().key_bytes());
         i64 counts[2];
         i64 run = cpu.leading_run(disk, k.data(), k.size(), counts);
@@ -189,11 +198,10 @@ PYBIND11_MODULE(_core, m) {
                 raise(Err::Tier, "a hierarchy needs 1 .. " + S(MAX_SLOTS) + " slots in all (MAX_SLOTS), got " + S(cpu) + " + " + S(disk));
             return new Domain(kind_of(kind), cpu, disk, seed_word(seeds, 3), start, low, high);
         }))
-        .def("attach", [](Domain& d, Tier& cpu, Tier& disk) {
-            if (cpu.keys().key_bytes() != disk.keys().key_bytes()) raise(Err::Tier, "a hierarchy's tiers need one key length");
-            cpu.attach(d, 0, &disk);
-            disk.attach(d, 1, &cpu);
-        })  // the tiers keep the domain and each other alive in Python (manager: TierIndex.join)
+        // Each tier keeps the domain alive (its lists, tags and pins view outlive neither tier); the
+        // tiers refer to each other, and one freed first detaches (Tier::~Tier: the other refuses).
+        .def("attach", [](Domain& d, Tier& cpu, Tier& disk) { Tier::attach_pair(d, cpu, disk); },
+             py::arg("cpu"), py::arg("disk"), py::keep_alive<2, 1>(), py::keep_alive<3, 1>())
         .def_property_readonly("p", [](const Domain& d) { return d.policy.p(); })
         .def_property_readonly("policy_len", [](const Domain& d) { return d.policy.size(); })
         .def("history_sizes", [](const Domain& d) { return py::make_tuple(d.history.size(0), d.history.size(1)); })
@@ -358,6 +366,17 @@ PYBIND11_MODULE(_core, m) {
             if (r->side[0].empty() || r->side[0].size() != r->side[1].size())
                 raise(Err::Transfer, "rows: " + S(static_cast<i64>(r->side[0].size())) + " regions on one side, " +
                                          S(static_cast<i64>(r->side[1].size())) + " on the other");
+            // copy_rows memcpy's between the sides: no byte of one side may lie in the other's span.
+            for (size_t i = 0; i < r->side[0].size(); ++i)
+                for (size_t j = 0; j < r->side[1].size(); ++j) {
+                    const Region &x = r->side[0][i], &y = r->side[1][j];
+                    const u8 *xe = x.base + (x.rows ? (x.rows - 1) * x.stride + x.width : 0),
+                             *ye = y.base + (y.rows ? (y.rows - 1) * y.stride + y.width : 0);
+                    if (x.base < ye && y.base < xe)
+                        raise(Err::Transfer, "rows: region " + S(static_cast<i64>(i)) + " of side 0 overlaps region " +
+                                                 S(static_cast<i64>(j)) + " of side 1 (" + S(static_cast<i64>(xe - x.base)) + " and " +
+                                                 S(static_cast<i64>(ye - y.base)) + " bytes)");
+                }
             for (int s = 0; s < 2; ++s)
                 for (size_t i = 0; i < r->side[s].size(); ++i) {
                     if (r->side[s][i].rows != r->side[s][0].rows) raise(Err::Transfer, "rows: the regions of one side disagree on the row count");

@@ -46,6 +46,7 @@ public:
     Policy policy;
     DomainPins pins;  // filled in when the tiers attach
     bool attached[2] = {false, false};
+    bool lost = false;  // a tier was freed while attached: the other refuses what reads the domain
 
     size_t nbytes() const { return lists.nbytes() + tags.size() * sizeof(u64) + history.nbytes() + policy.nbytes(); }
 
