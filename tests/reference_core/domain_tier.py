@@ -12,6 +12,7 @@ import numpy as np
 from tiered_kv.errors import TieredKVError
 
 from .domain import T1, T2, Domain
+from .inputs import check_distinct_slots
 from .tier_index import EMPTY, READY, RESERVED, TierIndex
 
 
@@ -91,7 +92,14 @@ class DomainTier(TierIndex):
 
     # -- the policy, through the domain ------------------------------------------------------
     def policy_insert(self, slots) -> None:
-        nodes = [self.node(s) for s in np.asarray(slots, dtype=np.int64).tolist()]
+        slots = np.asarray(slots, dtype=np.int64)
+        if len(slots):
+            self._expect(slots, READY)
+            check_distinct_slots(slots, "policy_insert")
+            for s in slots.tolist():  # a slot in the cold list and the policy's would break both
+                if self.cold.stamp_of(np.array([s]))[0] >= 0 or self.domain.lid(self.node(s)):
+                    raise TieredKVError(f"{self.name}: policy_insert of slot {s}, which is in a list already")
+        nodes = [self.node(s) for s in slots.tolist()]
         for s, x in zip(np.asarray(slots).tolist(), nodes, strict=True):
             self.domain.tags[x] = self._tag(s)
         self.domain.insert(nodes)
@@ -142,13 +150,7 @@ class DomainTier(TierIndex):
         self.evicted_cold = 0
         if n <= 0 or n > self.evictable:
             return EMPTY
-        cold = self.cold.evict_up_to(n, self.pins) if len(self.cold) else EMPTY
-        if len(cold) == n:
-            self.evicted_cold = n
-            return cold
-        victims = self.domain_evict(n - len(cold))
-        self.evicted_cold = len(cold)
-        return np.concatenate([cold, victims]) if len(cold) else victims
+        return self._evict_cold_then(n, self.domain_evict)
 
     def demote(self, slots: np.ndarray, *, loaded: bool = False) -> None:
         slots = slots[self.state[slots] == READY] if len(slots) else slots
@@ -215,7 +217,15 @@ class DomainTier(TierIndex):
                 continue
             key = self.keys.slot_keys[[c]]
             dup = int(below.find_ready(key)[0])
-            if dup >= 0 and below.cold.stamp_of(np.array([dup]))[0] >= 0:  # a clean copy below takes its rank
+            held_below = int(below.keys.find(key)[0]) >= 0
+            if held_below and (dup < 0 or below.cold.stamp_of(np.array([dup]))[0] < 0):
+                # the disk holds the key with a rank (or a copy in flight) of its own: the CPU block
+                # leaves as a clean drop, no ghost (native make_room)
+                dom.unlink(self.node(c))
+                victims.append(c)
+                clean += 1
+                continue
+            if dup >= 0:  # a clean copy below takes its rank
                 below.cold.remove(np.array([dup]))
                 dom.replace(self.node(c), below.node(dup))
                 victims.append(c)

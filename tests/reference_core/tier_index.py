@@ -142,15 +142,22 @@ class TierIndex:
         self.evicted_cold = 0
         if n <= 0 or n > self.evictable:
             return EMPTY
-        cold = self.cold.evict_up_to(n, self.pins) if len(self.cold) else EMPTY
-        if len(cold) == n:
-            self.evicted_cold = n
-            return cold
-        victims = self.policy.evict(n - len(cold), self.pins)
-        if len(victims) != n - len(cold):  # the counts disagree with the lists: a bug, never silently
-            raise TieredKVError(f"{self.name}: {self.evictable} evictable slots counted but fewer found")
-        self.evicted_cold = len(cold)
-        return np.concatenate([cold, victims]) if len(cold) else victims
+        return self._evict_cold_then(n, lambda k: self.policy.evict(k, self.pins))
+
+    def _evict_cold_then(self, n: int, rest) -> np.ndarray:
+        """Cold candidates first, then ``rest(k)`` for the others; the cold ones leave their list only
+        once the rest is found, so a refused evict (earlier victims still outstanding) changes nothing."""
+        cand = self.cold._log.candidates(n, self.pins) if len(self.cold) else None
+        k = cand.slots.size if cand is not None else 0
+        victims = rest(n - k) if k < n else EMPTY
+        if len(victims) != n - k:  # the counts disagree with the lists (outstanding victims): refused
+            raise TieredKVError(f"{self.name}: evict({n}): {self.evictable} evictable slots counted but only {k} "
+                                f"cold and fewer than {n - k} in the policy found")  # fmt: skip
+        cold = cand.slots.copy() if k else EMPTY
+        if k:
+            self.cold._log.commit(k, cand)
+        self.evicted_cold = k
+        return np.concatenate([cold, victims]) if k else victims
 
     def demote(self, slots: np.ndarray, *, loaded: bool = False) -> None:
         """Make READY slots the first eviction candidates (oldest first in array order).
@@ -171,6 +178,9 @@ class TierIndex:
         if not len(slots):
             return
         check_distinct_slots(slots, "pin")  # a repeat would step past _MAX_PINS unchecked
+        if np.any(self.state[slots] == FREE):
+            bad = int(slots[np.argmax(self.state[slots] == FREE)])
+            raise TieredKVError(f"{self.name}: pin of slot {bad}, which is FREE (holds no block)")
         pins = self.pins[slots]
         if np.any(pins == _MAX_PINS):
             raise TieredKVError(f"{self.name}: more than {_MAX_PINS} concurrent pins on one slot")
