@@ -33,7 +33,7 @@ chains = st.lists(st.integers(0, len(POOL) - 1), min_size=1, max_size=8)
 class ManagerTwins(RuleBasedStateMachine):
     @initialize(policy=st.sampled_from(["lru", "arc", "window"]), cpu=st.integers(2, 8),
                 disk=st.sampled_from([None, 3, 6, 12]), write_through=st.booleans(),
-                staging=st.sampled_from([0, 3]), protect=st.sampled_from([0.0, 0.5]))  # fmt: skip
+                staging=st.sampled_from([0, 3]), protect=st.sampled_from([0.0, 0.5, 0.9]))  # fmt: skip
     def setup(self, policy, cpu, disk, write_through, staging, protect) -> None:
         kw = dict(write_through=write_through, staging_slots=staging, protect_share=protect)
         self.ref = RefManager(cpu, disk, KB, policy, **kw)
@@ -126,6 +126,17 @@ class ManagerTwins(RuleBasedStateMachine):
         self.both(lambda m: m.hint(session, [POOL[i] for i in idx], protect), "hint")
         self.sessions.add(session)
 
+    @rule(fill=chains, pinned=chains, other=chains, new=chains, ok=st.lists(st.booleans(), max_size=3))
+    def protected_store_under_pins(self, fill, pinned, other, new, ok) -> None:
+        """Issue 37's shape: a full tier, a load pinning blocks (left in flight), another protected
+        session, then a protected session's store of new blocks: the second evict of ranking.py
+        must not count the first's victims (both sides share that Python: the invariants see it)."""
+        self.prepare_store(fill, [], [True])
+        self.prepare_load(pinned, 0, False, [True])
+        self.hint(2, other, True)
+        self.hint(3, new, True)
+        self.prepare_store(new, [], ok)
+
     @rule(session=st.integers(0, 3))
     def release(self, session) -> None:
         self.both(lambda m: m.release(session), "release")
@@ -152,7 +163,7 @@ class HierarchyTwins(ManagerTwins):
 
     @initialize(policy=st.sampled_from(["lru", "arc", "window"]), cpu=st.integers(2, 5),
                 disk=st.sampled_from([2, 4, 8]), write_through=st.booleans(),
-                staging=st.sampled_from([0, 0, 3]), protect=st.sampled_from([0.0, 0.0, 0.5]))  # fmt: skip
+                staging=st.sampled_from([0, 0, 3]), protect=st.sampled_from([0.0, 0.5, 0.9]))  # fmt: skip
     def setup(self, policy, cpu, disk, write_through, staging, protect) -> None:
         super().setup(policy, cpu, disk, write_through, staging, protect)
         self.stored: list[list[int]] = []

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from reference_core.twins import both, same, same_tier, tier_pair
+from test_diff_fuzz import observe, outstanding
 
 KB = 16
 POOL = [hashlib.sha256(b"k%d" % i).digest()[:KB] for i in range(32)]
@@ -35,7 +36,12 @@ class TierTwins(RuleBasedStateMachine):
         return [int(s) for s in np.flatnonzero(st_ == state)] if state is not None else list(range(len(st_)))
 
     def do(self, call, where: str):
-        return both(self.ref, self.nat, call, where)
+        """Same answer or same refusal; a refused call changes nothing on either side."""
+        before = observe(self.ref), observe(self.nat)
+        got = both(self.ref, self.nat, call, where)
+        if got[0] == "error":
+            assert (observe(self.ref), observe(self.nat)) == before, f"{where}: refused but changed the tier"
+        return got
 
     @rule(idx=st.lists(st.integers(0, len(POOL) - 1), max_size=8))
     def reserve(self, idx: list[int]) -> None:
@@ -62,9 +68,9 @@ class TierTwins(RuleBasedStateMachine):
 
     @rule(n=st.integers(0, 6), reuse=st.booleans())
     def evict(self, n: int, reuse: bool) -> None:
-        _, victims = self.do(lambda t: t.evict(n), "evict")
+        kind, victims = self.do(lambda t: t.evict(n), "evict")
         same(self.ref.evicted_cold, self.nat.evicted_cold, "evicted_cold")
-        if not len(victims):
+        if kind == "error" or not len(victims):
             return
         if reuse:  # victims go to new keys (eviction for a store), else they are dropped
             keys = [hashlib.sha256(b"new%d" % (self.fresh + i)).digest()[:KB] for i in range(len(victims))]
@@ -82,6 +88,8 @@ class TierTwins(RuleBasedStateMachine):
     @rule(data=st.data())
     def pin(self, data) -> None:
         pool = self.slots(2) + self.slots(1)  # what the manager pins: servable or arriving blocks
+        if data.draw(st.booleans()):
+            pool = self.slots()  # FREE slots too: both refuse them
         s = data.draw(st.lists(st.sampled_from(pool), unique=True, max_size=4)) if pool else []
         self.do(lambda t: t.pin(np.array(s, dtype=np.int64)), "pin")
 
@@ -104,9 +112,34 @@ class TierTwins(RuleBasedStateMachine):
         if keys:
             self.do(lambda t: t.find(keys), "find")
 
+    @rule(n=st.integers(1, 6))
+    def evict_and_hold(self, n: int) -> None:
+        """Victims left outstanding (still READY and counted evictable): a later evict that counts
+        them refuses alike on both sides, and changes nothing (checked in do)."""
+        self.do(lambda t: t.evict(n), "evict (held)")
+        same(self.ref.evicted_cold, self.nat.evicted_cold, "evicted_cold")
+
+    @rule(data=st.data(), reuse=st.booleans())
+    def settle(self, data, reuse: bool) -> None:
+        """Outstanding victims reassigned or dropped, as a plan does (some may have been pinned since)."""
+        held = outstanding(self.ref)
+        if not held:
+            return
+        v = np.array(sorted(data.draw(st.lists(st.sampled_from(held), unique=True, min_size=1))), dtype=np.int64)
+        if reuse:
+            keys = [hashlib.sha256(b"held%d" % (self.fresh + i)).digest()[:KB] for i in range(len(v))]
+            self.fresh += len(v)
+            self.do(lambda t: t.reassign(v, keys), "reassign held")
+        else:
+            self.do(lambda t: t.drop(v), "drop held")
+
     @invariant()
     def agree(self) -> None:
-        if hasattr(self, "ref"):
+        if not hasattr(self, "ref"):
+            return
+        if outstanding(self.ref):  # the lists' invariant sees outstanding victims, on both sides alike
+            same(observe(self.ref), observe(self.nat), "tier")
+        else:
             same_tier(self.ref, self.nat)
 
 

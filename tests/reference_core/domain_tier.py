@@ -157,6 +157,7 @@ class DomainTier(TierIndex):
         if not len(slots):
             return
         slots = slots[self.cold.stamp_of(slots) < 0]
+        check_distinct_slots(slots, "demote")  # before anything changes, as the native core
         for s in slots.tolist():
             if self.domain.lid(self.node(s)):
                 self.domain.unlink(self.node(s))

@@ -90,8 +90,13 @@ class TierIndex:
         self._expect(slots, READY)
         if np.any(self.pins[slots]):
             raise TieredKVError(f"{self.name}: cannot reassign pinned slots")
+        old = self.keys.slot_keys[slots].copy()
         self.keys.remove(slots)
-        self.keys.insert(keys, slots)
+        try:
+            self.keys.insert(keys, slots)
+        except TieredKVError:  # the old keys go back: a refused reassign changes nothing (as native)
+            self.keys.insert(old, slots)
+            raise
         self.state[slots] = RESERVED
         self.n_ready -= len(slots)
         self.n_reserved += len(slots)
@@ -169,6 +174,7 @@ class TierIndex:
         if not len(slots):
             return
         slots = slots[self.cold.stamp_of(slots) < 0]
+        check_distinct_slots(slots, "demote")  # before anything changes, as the native core
         (self.policy.demote if loaded else self.policy.remove)(slots)
         self.cold.insert(slots)
 
@@ -229,6 +235,7 @@ class TierIndex:
 
     # -- internals ---------------------------------------------------------------------
     def _expect(self, slots: np.ndarray, expected: int) -> None:
+        check_distinct_slots(slots, "batch")  # before anything changes, as the native core
         states = self.state[slots]
         if np.any(states != expected):
             bad = int(slots[np.argmax(states != expected)])
