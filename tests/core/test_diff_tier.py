@@ -112,6 +112,13 @@ class TierTwins(RuleBasedStateMachine):
         if keys:
             self.do(lambda t: t.find(keys), "find")
 
+    @rule(idx=st.lists(st.integers(0, len(POOL) - 1), max_size=8),
+          pre=st.lists(st.integers(0, len(POOL) - 1), max_size=3, unique=True))  # fmt: skip
+    def plan_store(self, idx: list[int], pre: list[int]) -> None:
+        """The fused prepare_store: refused alike (victims outstanding) and then changing nothing."""
+        keys, prefix = [POOL[i] for i in idx], [POOL[i] for i in pre]
+        self.do(lambda t: t.plan_store(keys, prefix), "plan_store")
+
     @rule(n=st.integers(1, 6))
     def evict_and_hold(self, n: int) -> None:
         """Victims left outstanding (still READY and counted evictable): a later evict that counts

@@ -178,6 +178,12 @@ class TierIndex:
         (self.policy.demote if loaded else self.policy.remove)(slots)
         self.cold.insert(slots)
 
+    def plan_store(self, keys: list[bytes], prefix: list[bytes]) -> tuple:
+        """native Tier::plan_store (plan_store.py)."""
+        from .plan_store import plan_store
+
+        return plan_store(self, list(keys), list(prefix))
+
     # -- pins --------------------------------------------------------------------------
     def pin(self, slots: np.ndarray) -> None:
         """Protect slots from eviction while they are read; a batch holds distinct slots."""
