@@ -68,7 +68,10 @@ class Fuzz:
             return self.slots(ref, k)  # mostly the right state, sometimes anything
         return self.rng.permutation(pool)[: int(self.rng.integers(1, k + 1))].astype(np.int64)
 
-    def new_keys(self, k: int) -> list[bytes]:
+    def new_keys(self, k: int, other=None) -> list[bytes]:
+        held = np.flatnonzero(np.asarray(other.state) != FREE) if other is not None else []
+        if len(held) and self.rng.random() < 0.3:  # keys the other tier holds: one key on both tiers
+            return other.keys.keys_of(self.rng.choice(held, size=min(k, len(held)), replace=False))
         if self.rng.random() < 0.3:
             return [POOL[int(i)] for i in self.rng.integers(0, len(POOL), k)]  # may be present or repeat
         self.fresh += k
@@ -99,7 +102,7 @@ class Fuzz:
         ref = self.pairs[name][0]
         k = int(r.integers(1, 4))
         if op == "reserve":
-            keys = self.new_keys(k)
+            keys = self.new_keys(k, self.pairs["disk" if name == "cpu" else "cpu"][0])
             self.call(lambda i, c, d: (c, d)[name == "disk"].reserve(keys), f"{name}.reserve")
         elif op in ("commit", "abort"):
             s = self.in_state(ref, RESERVED, k)

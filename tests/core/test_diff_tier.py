@@ -119,6 +119,13 @@ class TierTwins(RuleBasedStateMachine):
         keys, prefix = [POOL[i] for i in idx], [POOL[i] for i in pre]
         self.do(lambda t: t.plan_store(keys, prefix), "plan_store")
 
+    @rule(n=st.integers(1, 6), idx=st.lists(st.integers(0, len(POOL) - 1), min_size=1, max_size=8))
+    def plan_store_while_held(self, n: int, idx: list[int]) -> None:
+        """Victims outstanding, then a plan_store that must evict: its evict counts them and refuses,
+        and the reservation it made first must go back (checked in do)."""
+        self.do(lambda t: t.evict(n), "evict (held)")
+        self.plan_store(idx, [])
+
     @rule(n=st.integers(1, 6))
     def evict_and_hold(self, n: int) -> None:
         """Victims left outstanding (still READY and counted evictable): a later evict that counts
