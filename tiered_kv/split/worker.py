@@ -133,6 +133,11 @@ class ShardCopier:
         self._pinned, dma_rows = _pin(seg, self.rank, self.layout.device, self.pin_chunk)
         return CUDAStreamEngine(gpu, cpu, dma_rows=dma_rows)
 
+    @property
+    def copy_path(self) -> str | None:
+        """The copy path this rank's engine chose at start (table, table-direct, groups, host-rows)."""
+        return getattr(self._engine, "copy_path", None)
+
     # -- the step's calls (any thread, never blocking) ------------------------------------------
     def submit(self, jobs: Sequence[ShardJob]) -> None:
         """Issue the jobs (in order per direction) and return at once; their outcome comes from ``poll``."""
