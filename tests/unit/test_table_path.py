@@ -259,3 +259,11 @@ def test_each_chunk_waits_for_the_other_lane_on_its_staging_buffer_and_buffers_a
         d = [(e[0], e[1], b) if len(e) == 3 else e for e in dma]
         expect += (d + k) if load else (k + d)
     assert lanes.log == [*expect, ("finish",)]
+
+
+async def test_the_cache_names_its_copy_path_in_stats():
+    from tiered_kv.bench.rig import engine_tensors, open_cache
+
+    gpu = engine_tensors(4096, 4, 16, "cpu")
+    async with open_cache(gpu, 4096, 16, "cpu") as cache:
+        assert cache.stats()["copy_path"] == "host-rows"  # the host engine: the native core's row copier

@@ -37,6 +37,10 @@ EventBridge waiter thread for that direction synchronises it and resolves the
 future on the loop. ``handle.event`` lets a compute stream wait on a load
 directly (``torch.cuda.current_stream().wait_event(handle.event)``).
 The enqueue functions (staged.py) are device-agnostic, so CPU tests drive the same code.
+
+The copy path (issue 38) is chosen once here and named by ``copy_path``: ``table`` (one Triton launch
+per staging chunk for every region, transfer/table.py), ``table-direct`` (one launch per call, in place
+in the pinned slab), or ``groups`` (the per-group index kernels above) where triton is absent.
 """
 
 from __future__ import annotations
