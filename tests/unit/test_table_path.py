@@ -56,6 +56,8 @@ CASES = [  # (placement, regions, rows per call, widths)
     ("vllm", 128, 6, "even"),
     ("vllm", 8, 21, "odd"),
     ("separate", 3, 33, "even"),
+    ("separate", 5, 12, "four"),  # 4-byte elements
+    ("vllm", 6, 10, "two"),  # 2-byte elements
 ]
 
 
@@ -65,14 +67,17 @@ CASES = [  # (placement, regions, rows per call, widths)
 @pytest.mark.parametrize(("kind", "n_regions", "n", "widths"), CASES)
 def test_the_kernel_moves_what_the_per_group_path_moves(interpret, kind, n_regions, n, widths, block_major, mode):
     rng = np.random.default_rng(n_regions * 7 + n)
-    ws = ([int(w) for w in rng.integers(1, 60, n_regions)] if widths == "odd"
-          else [8 * int(w) for w in rng.integers(1, 9, n_regions)])  # fmt: skip
+    unit = {"odd": 1, "two": 2, "four": 4, "even": 8}[widths]
+    ws = [unit * int(w) for w in rng.integers(1, 30, n_regions)]
+    if unit in (2, 4):  # odd multiples: the unit is the widest element that divides every width
+        ws = [w if (w // unit) % 2 else w + unit for w in ws]
     if kind == "storage":
         ws = [ws[0]] * n_regions
     nb, ns = n + 11, n + 17
     gpu, cpu = _layout(kind, n_regions, ws, nb, ns, block_major, rng)
     slabs = host_slabs(cpu)
     tables = [build_table(gpu, s, CPU) for s in slabs]
+    assert {t.elem for t in tables} == {unit}  # the widest element that divides every width and column
     g = rng.choice(nb, n, replace=False).astype(np.int64)  # scattered GPU ids
     s = rng.choice(ns, n, replace=False).astype(np.int64)  # scattered slots, unsorted
     ids = DeviceIds(IndexRing(4096, pin=False), CPU)

@@ -167,7 +167,7 @@ def choose_path(requested: str, device: torch.device) -> str:
     if requested not in ("auto", *COPY_PATHS):
         raise ConfigError(f"copy path must be auto or one of {', '.join(COPY_PATHS)} (argument copy_path or "
                           f"${PATH_ENV}); got {requested!r}")  # fmt: skip
-    runs = table_kernel.available() and (device.type == "cuda" or table_kernel.interpreting())
+    runs = (device.type == "cuda" or table_kernel.interpreting()) and table_kernel.available()
     if requested == "auto":
         return "table" if runs else "groups"
     if requested != "groups" and not runs:
