@@ -175,6 +175,11 @@ def test_one_launch_per_chunk_whatever_the_region_count(n_regions):
     staging = Staging(CPU, 16 * n_regions * 30)  # 30 rows a chunk: 30 + 30 + 4
     enqueue_table(True, tables, slabs, g, s, ids, [], staging=staging, launch=launch)
     assert calls == [(30, True, False), (30, True, False), (4, True, False)]
+    calls.clear()
+    none = np.zeros(0, dtype=np.int64)
+    for st in (None, staging):
+        enqueue_table(False, tables, slabs, none, none, ids, [], staging=st, launch=launch)
+    assert calls == []  # an empty call launches nothing
 
 
 def test_the_ids_travel_through_the_preallocated_buffer_not_a_new_tensor():

@@ -111,6 +111,8 @@ def enqueue_table(
         cpu_slots, gpu_ids = cpu_slots[order], gpu_ids[order]
     both = np.concatenate((gpu_ids, cpu_slots)) if staging is None else gpu_ids
     try:
+        if n == 0:  # nothing to launch (a grid with no rows)
+            return
         with lanes.kernel():
             dev = ids.upload(both, keep)
         dev_ids = dev[:n]
