@@ -18,7 +18,7 @@ $(PY):
 # pulls a multi-GB CUDA build; skipped when the venv already imports a torch.
 $(STAMP): pyproject.toml | $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,cli,replay,bench,remote]"
+	$(PY) -m pip install -q -e ".[test,cli,replay,bench,remote,kernel]"
 	@touch $(STAMP)
 
 run: $(STAMP)

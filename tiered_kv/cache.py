@@ -326,6 +326,8 @@ class TieredKVCache(Moves, Lifecycle):
             "cpu": {"slots": cpu.num_slots, "used": cpu.used, "resident": cpu.n_ready},
             "bytes_per_block": self.layout.bytes_per_block,
             "inflight_bytes": self._budget.used,
+            # Which copy the engine chose at start (table, table-direct, groups, host-rows): issue 38.
+            "copy_path": getattr(self._engine, "copy_path", None),
         }
         if self.remote is not None:
             out["remote"] = {"known": len(self.remote.residency), "degraded": self.remote.store.degraded}

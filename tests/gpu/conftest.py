@@ -48,3 +48,19 @@ def warm_cuda_kernels() -> None:
         torch.cuda.synchronize()
 
     asyncio.run(warm())
+
+
+@pytest.fixture
+def shm_path():
+    """A fresh directory on /dev/shm for shared CPU-tier segments: CUDA page-locks a shared mapping only on
+    tmpfs or hugetlbfs, and pytest's tmp_path may be on a disk filesystem (ext4 /tmp on the H200 host)."""
+    import shutil
+    import tempfile
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here: a segment to page-lock needs a tmpfs")
+    path = tempfile.mkdtemp(prefix="tkv-gpu-test-", dir="/dev/shm")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

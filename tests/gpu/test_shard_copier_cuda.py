@@ -27,10 +27,10 @@ REGIONS = (768 * 1024, 256 * 1024)  # 1 MiB per rank per block
 SPIN_CYCLES = 200_000_000  # ~0.1 s: far longer than the copies below
 
 
-def config(tmp_path, world: int, cpu_blocks: int = 16) -> dict:
+def config(shm_path, world: int, cpu_blocks: int = 16) -> dict:
     shard = sum(REGIONS)
     return {"model": {"model_id": "gpu-split", "bytes_per_block": world * shard}, "gpu": {"num_blocks": 32},
-            "tiers": {"cpu": {"capacity": cpu_blocks * world * shard, "shared_path": str(tmp_path)},
+            "tiers": {"cpu": {"capacity": cpu_blocks * world * shard, "shared_path": str(shm_path)},
                       "disk": {"enabled": False}}}  # fmt: skip
 
 
@@ -44,20 +44,20 @@ def rank_kv(rank: int, num_blocks: int = 32) -> dict[str, torch.Tensor]:
             for name, w in zip("kv", REGIONS, strict=True)}  # fmt: skip
 
 
-def copiers(tmp_path, world: int, pin_chunk: int = 1 << 30):
+def copiers(shm_path, world: int, pin_chunk: int = 1 << 30):
     kvs = [rank_kv(r) for r in range(world)]
     out = []
     for r, kv in enumerate(kvs):
         layout = tkv.KVLayout.from_tensors(kv, 32)
         c = ShardCopier(layout, rank=r, world_size=world, engine="auto", pin_chunk=pin_chunk)
-        c.open(segment_info_for(config(tmp_path, world), layout, world_size=world, engine_id="gpu"))
+        c.open(segment_info_for(config(shm_path, world), layout, world_size=world, engine_id="gpu"))
         out.append(c)
     return kvs, out
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_auto_picks_cuda_at_every_tp_size_and_each_rank_copies_its_sub_slab(tmp_path, world):
-    kvs, cs = copiers(tmp_path, world, pin_chunk=4 << 20)  # small chunks: runs cross registration edges
+def test_auto_picks_cuda_at_every_tp_size_and_each_rank_copies_its_sub_slab(shm_path, world):
+    kvs, cs = copiers(shm_path, world, pin_chunk=4 << 20)  # small chunks: runs cross registration edges
     try:
         for c in cs:
             assert c.kind == "cuda"  # refused nowhere
@@ -87,8 +87,8 @@ def test_auto_picks_cuda_at_every_tp_size_and_each_rank_copies_its_sub_slab(tmp_
             c.close()
 
 
-def test_a_store_is_ordered_after_what_the_callers_current_stream_queued(tmp_path):
-    kvs, cs = copiers(tmp_path, 2)
+def test_a_store_is_ordered_after_what_the_callers_current_stream_queued(shm_path):
+    kvs, cs = copiers(shm_path, 2)
     try:
         c, kv = cs[1], kvs[1]
         forward = torch.cuda.Stream(device=kv["k"].device)

@@ -124,7 +124,8 @@ async def _case(block_bytes: int, n_regions: int, sample_bytes: int, round_bytes
             raise TieredKVError("bench: the check load missed")
         _check_rows(cache, raw, resident[-1], b, "load")
         load_row = _row("load", block_bytes, n_regions, per_sample, raw_s, ours_s)
-    return [store_row, load_row]
+        path = cache.stats()["copy_path"]  # the copy path the engine chose at start (issue 38)
+    return [{**store_row, "copy_path": path}, {**load_row, "copy_path": path}]
 
 
 def _samplers(raws: dict[str, RawCopy], raw: RawCopies, batches: list[list[Batch]],

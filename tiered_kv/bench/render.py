@@ -105,6 +105,15 @@ def render(result: dict[str, Any], console: Console | None = None) -> None:
             f"(index arrays {r['index_arrays_bytes_per_block']:.1f}, other arrays {r['other_numpy_bytes_per_block']:.1f}, "
             f"Python objects {r['python_objects_bytes_per_block']:.2f}; events not yet taken would add "
             f"{r['undrained_events_bytes_per_block']:.1f}) ", _verdict(r)))  # fmt: skip
+    if "host" in result:
+        r = result["host"]
+        for row in r["rows"]:
+            us = row["host_us"]
+            console.print(f"host time per {row['blocks']}-block call at {row['regions']} regions: table "
+                          f"{us['table']:.0f} us (in place {us['table_direct']:.0f}), per-group {us['groups']:.0f} us "
+                          f"({row['table_launches_per_call']:.0f} vs {row['group_launches_per_call']} launches a chunk)")
+        console.print(Text.assemble(f"host time, table / per-group at {r['rows'][-1]['regions']} regions: "
+                                    f"{r['time_ratio_at_most_regions']:.2f} ", _verdict(r)))  # fmt: skip
     gpu = result.get("gpu")
     if gpu is not None:
         if "skipped" in gpu:

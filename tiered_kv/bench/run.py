@@ -15,7 +15,7 @@ import torch
 
 from ..errors import TieredKVError
 
-SECTIONS = ("cache", "disk", "lookup", "memory", "gpu")
+SECTIONS = ("cache", "disk", "lookup", "memory", "host", "gpu")
 
 # The issue's targets. Copy ratios are ours' speed / raw's (>= target); 128-region rows are reported beside
 # the 8-region ones without a target; lookup is a time ratio (<= target); memory in bytes per resident block.
@@ -25,6 +25,8 @@ TARGETS = {
     "lookup_time_ratio_max": 1.5,
     "manager_time_ratio_max": 2.0,  # prepare_store + complete_store of 64 new keys / a dict-insert loop
     "memory_bytes_per_block_max": 100,
+    # Host time per 64-block call: the table path's at 128 regions / the per-group path's (issue 38).
+    "host_time_ratio_max": 0.25,
 }
 
 # Full run: about 75 s on the 2-core machine. Quick: a smoke run for tests, same method (>= 9 rounds).
@@ -34,6 +36,7 @@ FULL = {
     "lookup": {"rounds": 21},
     "manager": {"rounds": 21},
     "memory": {"blocks": 1_000_000},
+    "host": {},
 }
 QUICK = {
     "copy": {"block_sizes": (16 << 10,), "regions": (8, 128), "sample_bytes": 1 << 20, "round_bytes": 0,
@@ -42,6 +45,7 @@ QUICK = {
     "lookup": {"calls": 10, "rounds": 9},
     "manager": {"calls": 20, "rounds": 9, "slots": 16 * 64},
     "memory": {"blocks": 20_000},
+    "host": {"calls": 40},
 }  # fmt: skip
 
 
@@ -100,6 +104,15 @@ def run_bench(sections: Sequence[str] | None = None, *, quick: bool = False, dir
         r["target_max"] = TARGETS["memory_bytes_per_block_max"]
         r["meets_target"] = r["bytes_per_block"] <= r["target_max"]
         out["memory"] = r
+    if "host" in want:
+        from .table_host import bench_table_host
+
+        step("host time per call: the table path vs the per-group path")
+        rows = bench_table_host(**cfg["host"])
+        last = rows[-1]
+        ratio = round(last["host_us"]["table"] / last["host_us"]["groups"], 3)
+        out["host"] = {"rows": rows, "time_ratio_at_most_regions": ratio, "target_max": TARGETS["host_time_ratio_max"],
+                       "meets_target": ratio <= TARGETS["host_time_ratio_max"]}  # fmt: skip
     if "gpu" in want:
         from .gpu import bench_gpu, cuda_available
 

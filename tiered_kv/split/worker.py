@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +32,7 @@ from typing import Any
 from ..errors import ConfigError, LayoutError, TransferError
 from ..layout import KVLayout
 from ..loops import new_loop
+from ..tiers.fs_kind import check_pinnable
 from ..tiers.pinning import HostRegistration, pin_chunks, warn_if_memlock_low
 from ..tiers.segment_geometry import SegmentInfo, storage_ranks
 from ..tiers.shared_cpu import SharedSegment
@@ -106,6 +108,9 @@ class ShardCopier:
         if info.shard_bytes != self.layout.bytes_per_block:
             raise LayoutError(f"TP rank {self.rank}: its KV tensors give {self.layout.bytes_per_block} bytes per block "
                               f"but the segment info says {info.shard_bytes}")  # fmt: skip
+        if self.kind == "cuda":  # refused at start, by name, rather than by cudaHostRegister's error 1 later
+            check_pinnable(os.path.dirname(info.path) or ".", why=f"TP rank {self.rank}'s CUDA copy engine "
+                           f"page-locks its sub-slab of the segment there")  # fmt: skip
         seg = SharedSegment.open(info)
         try:
             import torch
@@ -132,6 +137,11 @@ class ShardCopier:
 
         self._pinned, dma_rows = _pin(seg, self.rank, self.layout.device, self.pin_chunk)
         return CUDAStreamEngine(gpu, cpu, dma_rows=dma_rows)
+
+    @property
+    def copy_path(self) -> str | None:
+        """The copy path this rank's engine chose at start (table, table-direct, groups, host-rows)."""
+        return getattr(self._engine, "copy_path", None)
 
     # -- the step's calls (any thread, never blocking) ------------------------------------------
     def submit(self, jobs: Sequence[ShardJob]) -> None:

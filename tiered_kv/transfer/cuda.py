@@ -37,6 +37,10 @@ EventBridge waiter thread for that direction synchronises it and resolves the
 future on the loop. ``handle.event`` lets a compute stream wait on a load
 directly (``torch.cuda.current_stream().wait_event(handle.event)``).
 The enqueue functions (staged.py) are device-agnostic, so CPU tests drive the same code.
+
+The copy path (issue 38) is chosen once here and named by ``copy_path``: ``table`` (one Triton launch
+per staging chunk for every region, transfer/table.py), ``table-direct`` (one launch per call, in place
+in the pinned slab), or ``groups`` (the per-group index kernels above) where triton is absent.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from tiered_kv.transfer.base import Compute, CopyEngine, CopyHandle, Direction, 
 from tiered_kv.transfer.bridge import EventBridge
 from tiered_kv.transfer.index_ring import IndexRing
 from tiered_kv.transfer.staged import Lanes, Staging, enqueue_load, enqueue_store, gpu_groups, host_slabs
+from tiered_kv.transfer.table import DeviceIds, build_table, choose_path, enqueue_table
 
 DEFAULT_STAGING_BYTES = 64 * 1024 * 1024
 
@@ -73,6 +78,7 @@ class CUDAStreamEngine(CopyEngine):
         *,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         dma_rows: int | None = None,
+        copy_path: str = "auto",
     ) -> None:
         super().__init__(gpu_regions, cpu_regions)
         if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < 1:
@@ -102,6 +108,11 @@ class CUDAStreamEngine(CopyEngine):
             self._lanes = {d: CudaLanes(self._streams[d], torch.cuda.Stream(device=self._device, priority=0))
                            for d in Direction}  # fmt: skip
             self._rings = {d: IndexRing() for d in Direction}
+            # Chosen once (transfer/table.py): one launch per chunk where triton runs, else a launch per group.
+            self.copy_path = choose_path(copy_path, self._device)
+            self._tables = [build_table(self._gpu, slab, self._device) for slab in self.host_slabs] \
+                if self.copy_path != "groups" else []  # fmt: skip
+            self._ids = {d: DeviceIds(self._rings[d], self._device) for d in Direction} if self._tables else {}
         self._staging = {d: Staging(self._device, staging_bytes) for d in Direction}
         device = self._device
         self._bridges = {
@@ -140,7 +151,12 @@ class CUDAStreamEngine(CopyEngine):
                 stream.wait_event(ready)
                 try:
                     lanes = self._lanes[direction]
-                    if direction is Direction.STORE:
+                    if self._tables:
+                        enqueue_table(direction is Direction.LOAD, self._tables, self.host_slabs, src if
+                                      direction is Direction.STORE else dst, dst if direction is Direction.STORE
+                                      else src, self._ids[direction], keep, dma_rows=self.dma_rows, lanes=lanes,
+                                      staging=staging if self.copy_path == "table" else None)  # fmt: skip
+                    elif direction is Direction.STORE:
                         enqueue_store(self._gpu, self.host_slabs, src, dst, staging, index, self.dma_rows,
                                       self.gpu_groups, lanes)  # fmt: skip
                     else:

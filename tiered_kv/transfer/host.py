@@ -38,6 +38,10 @@ _MANY_RUNS = 8  # more runs than this (and than a quarter of the rows): one gath
 class HostCopyEngine(CopyEngine):
     """Copies with torch / numpy CPU ops, inline for small batches or on worker threads the engine owns."""
 
+    # The host engine's table is the native core's (core.Rows: each region's rows, built once here): one
+    # native call per batch, every region's memcpy with the GIL released, no per-region Python.
+    copy_path = "host-rows"
+
     def __init__(
         self,
         gpu_regions: Sequence[torch.Tensor],
