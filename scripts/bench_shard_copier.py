@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -150,9 +151,10 @@ def main() -> int:
 
     out = {"tiered_kv": str(Path(tiered_kv.__file__).parent), "world": a.world,
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="tkv-bench-") as tmp:
-        shm = Path(tmp) / "shm"
-        shm.mkdir(mode=0o700)
+    # The segment goes on a tmpfs: CUDA page-locks a shared mapping only there (tiers/fs_kind.py).
+    shm_root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(prefix="tkv-bench-") as tmp, \
+            tempfile.TemporaryDirectory(prefix="tkv-bench-shm-", dir=shm_root) as shm:
         out["copies"] = bench_copies(a, str(shm))
         if a.disk != "off":
             out["disk"] = bench_disk(a, str(shm), a.disk or tmp)
