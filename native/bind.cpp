@@ -229,18 +229,17 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("n_keys", [](const Tier& t) { return t.keys().size(); })
         .def_property_readonly("core_nbytes", &Tier::nbytes)
         .def_property_readonly("ghost_nbytes", [](const Tier& t) { return t.policy().nbytes(); })
-        .def("state_view", [](py::object self) {
-            Tier& t = self.cast<Tier&>();
-            return readonly_view(py::dtype::of<u8>(), {t.num_slots()}, t.state_data(), self);
+        // The views share the tier's arrays, not the tier (convert.hpp): they outlive it, and a
+        // TierIndex that stores them is still freed when dropped.
+        .def("state_view", [](Tier& t) {
+            return readonly_view(py::dtype::of<u8>(), {t.num_slots()}, t.state_data(), t.share_state());
         })
-        .def("pins_view", [](py::object self) {
-            Tier& t = self.cast<Tier&>();
-            return readonly_view(py::dtype::of<u16>(), {t.num_slots()}, t.pins_data(), self);
+        .def("pins_view", [](Tier& t) {
+            return readonly_view(py::dtype::of<u16>(), {t.num_slots()}, t.pins_data(), t.share_pins());
         })
-        .def("keys_view", [](py::object self) {
-            Tier& t = self.cast<Tier&>();
+        .def("keys_view", [](Tier& t) {
             std::vector<py::ssize_t> shape{t.num_slots(), t.keys().key_bytes()};
-            return readonly_view(py::dtype::of<u8>(), shape, t.keys().keys_data(), self);
+            return readonly_view(py::dtype::of<u8>(), shape, t.keys().keys_data(), t.keys().share_keys());
         })
         .def("find", [](const Tier& t, py::handle keys) { return find_all(t.keys(), key_args(keys, t.keys().key_bytes())); })
         .def("find_ready", [](const Tier& t, py::handle keys) {
@@ -416,10 +415,9 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("key_bytes", [](const KeyIndex& k) { return k.t.key_bytes(); })
         .def_property_readonly("nbytes", [](const KeyIndex& k) { return k.t.nbytes(); })
         .def("__len__", [](const KeyIndex& k) { return k.t.size(); })
-        .def("keys_view", [](py::object self) {
-            KeyIndex& k = self.cast<KeyIndex&>();
+        .def("keys_view", [](KeyIndex& k) {
             std::vector<py::ssize_t> shape{k.t.num_slots(), k.t.key_bytes()};
-            return readonly_view(py::dtype::of<u8>(), shape, k.t.keys_data(), self);
+            return readonly_view(py::dtype::of<u8>(), shape, k.t.keys_data(), k.t.share_keys());
         })
         .def("find", [](const KeyIndex& k, py::handle keys) { return find_all(k.t, key_args(keys, k.t.key_bytes())); })
         .def("leading_run", [](const KeyIndex& k, py::handle keys) {

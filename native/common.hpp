@@ -1,7 +1,9 @@
 // Shared types and the error the core raises: its kind picks the Python exception (bind.cpp).
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -38,6 +40,26 @@ inline u64 mum(u64 a, u64 b) {
 
 // An index in [0, size) from the high 32 bits of a hash (multiply-shift: size need not be a power of two).
 inline size_t scale(u64 h, u64 size) { return static_cast<size_t>(((h >> 32) * size) >> 32); }
+
+// A fixed-size array whose storage Python's read-only views share (share()): a view keeps the bytes
+// alive, not the object that owns them, so a Python owner that stores its own views (TierIndex.state)
+// makes no reference cycle through a numpy array (which the GC cannot traverse), and a view kept after
+// its owner is freed reads valid, if stale, memory.
+template <class T>
+class SharedArray {
+public:
+    SharedArray(size_t n, T fill) : p_(new T[n]), n_(n) { std::fill_n(p_.get(), n, fill); }
+    T& operator[](i64 i) { return p_.get()[i]; }
+    const T& operator[](i64 i) const { return p_.get()[i]; }
+    T* data() { return p_.get(); }
+    const T* data() const { return p_.get(); }
+    size_t size() const { return n_; }
+    std::shared_ptr<const void> share() const { return p_; }
+
+private:
+    std::shared_ptr<T[]> p_;
+    size_t n_;
+};
 
 // Which slots a caller holds: a read-only view of a pin-count array of any integer width.
 struct PinView {

@@ -103,10 +103,14 @@ inline SlotArgs slot_args(py::handle obj, i64 num, const char* op, Err kind = Er
     return s;
 }
 
-// A read-only array over memory the core owns (`owner` keeps it alive): writing a slot's state,
-// pins or key from Python would let the core trust a lie (e.g. drop a FREE slot).
-inline py::array readonly_view(py::dtype dt, std::vector<py::ssize_t> shape, const void* data, py::handle owner) {
-    py::array a(dt, std::move(shape), {}, data, owner);
+// A read-only array over memory the core owns: writing a slot's state, pins or key from Python would
+// let the core trust a lie (e.g. drop a FREE slot). Its base is a capsule sharing the storage, not the
+// core object: a base pointing back at the owner would close a cycle the GC cannot see (common.hpp).
+inline py::array readonly_view(py::dtype dt, std::vector<py::ssize_t> shape, const void* data, std::shared_ptr<const void> storage) {
+    auto hold = std::make_unique<std::shared_ptr<const void>>(std::move(storage));
+    py::capsule base(hold.get(), [](void* p) { delete static_cast<std::shared_ptr<const void>*>(p); });
+    hold.release();  // the capsule owns it now
+    py::array a(dt, std::move(shape), {}, data, base);
     py::detail::array_proxy(a.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
     return a;
 }

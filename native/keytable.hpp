@@ -23,6 +23,7 @@ public:
     int key_bytes() const { return kb_; }
     i64 size() const { return count_; }
     u8* keys_data() { return keys_.data(); }
+    std::shared_ptr<const void> share_keys() const { return keys_.share(); }
     const u8* key_at(i64 slot) const { return keys_.data() + slot * kb_; }
     u64 hash_at(i64 slot) const { return hash_[slot]; }
     const u64* hashes() const { return hash_.data(); }
@@ -130,7 +131,7 @@ private:
     i64 n_;
     int kb_;
     u64 s0_, s1_, s2_;
-    std::vector<u8> keys_;
+    SharedArray<u8> keys_;  // the keys view shares it
     std::vector<u64> hash_;
     std::vector<i32> pos_;
     u64 tsize_;

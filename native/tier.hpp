@@ -59,6 +59,8 @@ public:
     const Lists& lists() const { return lists_; }
     u8* state_data() { return state_.data(); }
     u16* pins_data() { return pins_.data(); }
+    std::shared_ptr<const void> share_state() const { return state_.share(); }
+    std::shared_ptr<const void> share_pins() const { return pins_.share(); }
     u8 state(i64 s) const { return state_[s]; }
     u16 pins(i64 s) const { return pins_[s]; }
     i64 free_count() const { return nfree_; }
@@ -750,8 +752,8 @@ private:
     std::string name_;
     i64 n_;
     KeyTable keys_;
-    std::vector<u8> state_;
-    std::vector<u16> pins_;
+    SharedArray<u8> state_;  // the state and pins views share these
+    SharedArray<u16> pins_;
     std::vector<i32> free_;
     i64 nfree_ = 0;
     Lists lists_;

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 
 import pytest
 from cache_helpers import cache_for, config, fill, holds, make_kv
@@ -195,3 +197,18 @@ async def test_stats_and_metrics_are_counters(device):
         assert snap["tiered_kv_hit_blocks_total{cpu}"] == 6
         assert snap["tiered_kv_blocks_moved_total{gpu_to_cpu}"] == 4
         assert snap["tiered_kv_used_slots{cpu}"] == 4
+
+
+async def test_a_closed_cache_frees_its_tiers(tmp_path, device):
+    # Every TieredKVCache used to leak its tiers (their views pointed back at them: a cycle the GC
+    # cannot see through numpy arrays): closed, dropped and collected, nothing of them may be left.
+    kv = make_kv(device=device)
+    async with cache_for(kv, config(tmp_path, cpu_blocks=4, disk_blocks=16)) as cache:
+        ks = keys_for(cache, range(12))
+        await cache.store(ks, list(range(12)))
+        assert cache.lookup(ks).total > 0
+        m = cache.manager
+        refs = [weakref.ref(o) for o in (cache, m, m.cpu, m.disk, m.domain)]
+    del cache, m
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
+import weakref
 
 import numpy as np
 import pytest
@@ -289,3 +291,16 @@ def test_a_promotion_never_reads_a_disk_slot_its_own_spill_overwrites():
     assert m.complete_promote(plan, np.ones(len(plan.promote), dtype=bool)) == 2
     m.complete_load(plan, 2)
     m.check_invariants()
+
+
+@pytest.mark.parametrize("disk", [None, 32])
+def test_a_dropped_manager_frees_its_tiers(disk):
+    # The tiers' state / pins / key views used to point back at their tier: a cycle through numpy
+    # arrays that the GC cannot traverse, so no manager's tiers were ever freed.
+    m = TierManager(8, disk, KB, "arc")
+    store(m, keys("a", 20))
+    assert load(m, keys("a", 20)) > 0
+    refs = [weakref.ref(o) for o in (m, m.cpu, m.disk, m.domain) if o is not None]
+    del m
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
