@@ -134,3 +134,23 @@ def test_a_load_admitted_with_another_token_count_is_an_error_for_the_request(tm
         assert h.counters()["load_admission_mismatches"] == 1
     finally:
         h.close()
+
+
+def test_reset_leaves_the_tiers_alone_when_vllms_own_reset_failed(tmp_path):
+    from vllm.v1.core.block_pool import BlockPool
+
+    h = Harness(tmp_path)
+    try:
+        store_prompt(h, "a", A, [0, 1, 2, 3])
+        pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=BS)
+        h.sched.bind_vllm_cache(type("KVCacheManager", (), {"block_pool": pool})())
+        taken = pool.get_new_blocks(1)  # a request still holds a block: vLLM's reset_prefix_cache failed
+        assert pool.reset_prefix_cache() is False
+        assert h.sched.reset() is False  # so the connector's reset (called anyway) changes nothing
+        assert h.sched.matched_tokens(request("b", A), 0)[0] == 3 * BS
+        pool.free_blocks(taken)
+        assert pool.reset_prefix_cache() is True
+        assert h.sched.reset() is True
+        assert h.sched.matched_tokens(request("c", A), 0) == (0, False)
+    finally:
+        h.close()
