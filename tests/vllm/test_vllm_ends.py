@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import BLOCK, HERE, PREFIX, cache_config, outputs, run_engine, same_output, tokens
@@ -82,25 +83,32 @@ def served_right(out: dict, base: tuple[dict, dict]) -> bool:
 
 def test_a_hybrid_model_window_stores_hits_over_the_budget_and_corrupt_records(sw_llama, sw_base, tmp_path):
     disk = tmp_path / "disk"
-    cfg = cache_config(disk, cpu="16MiB")
-    cfg["transfer"]["max_inflight_bytes"] = "16KiB"  # one block of one group
-    steps = [{"generate": [PROMPT]}, {"reset": True},
-             {"generate": [PROMPT]},  # a 15-block hit (9 full + 6 window) over a one-block budget (item 4)
-             {"generate": [S0], "max_tokens": 1}, {"generate": [SW_FILLERS[0]], "max_tokens": 1},
-             {"generate": [S1], "max_tokens": 1}, {"generate": [SW_FILLERS[1]], "max_tokens": 1}]  # fmt: skip
-    for d in ("first", "again", "third"):
+    for d in ("ends", "store", "serve", "corrupt"):
         (tmp_path / d).mkdir()
-    first = run_engine({"model": sw_llama, "tiered_kv": cfg, "steps": steps, **SW}, tmp_path / "first")
-    _, (hit,), *_ = outputs(first)
-    assert hit["cached"] == len(PROMPT) // BLOCK * BLOCK, hit  # served (asynchronously), not a dead engine
-    assert same_output(hit, sw_base[tuple(PROMPT)][1]), hit
-    # Item 2: a fresh engine serves S0 and S1 from what the first one wrote through to disk: the window
-    # stores of a request that ended in their step were fenced, never issued over another request's KV.
-    again = run_engine({"model": sw_llama, "tiered_kv": cache_config(disk, cpu="16MiB"),
-                        "steps": [{"generate": [S0]}, {"generate": [S1]}], **SW}, tmp_path / "again")  # fmt: skip
-    (s0,), (s1,) = outputs(again)
+
+    def engine(steps: list, where: str, budget: str | None = None, on: Path = disk) -> dict:
+        cfg = cache_config(on, cpu="16MiB")  # write-through: what the CPU tier gets, the disk gets
+        if budget:
+            cfg["transfer"]["max_inflight_bytes"] = budget
+        return run_engine({"model": sw_llama, "tiered_kv": cfg, "steps": steps, **SW}, tmp_path / where)
+
+    # Item 2: S0 and S1 end in the step that stores their windows, with a one-block budget (their window
+    # stores wait); each filler's forward gets the window blocks vLLM freed as they ended.
+    engine([{"generate": [S0], "max_tokens": 1}, {"generate": [SW_FILLERS[0]], "max_tokens": 1},
+            {"generate": [S1], "max_tokens": 1}, {"generate": [SW_FILLERS[1]], "max_tokens": 1}],
+           "ends", budget="16KiB")  # fmt: skip
+    engine([{"generate": [PROMPT]}], "store")  # PROMPT's 9 full and 6 window blocks, on disk
+    # A fresh engine with a 12-block budget: S0 and S1 from disk (the windows of a request that ended in
+    # their step were fenced, never issued over another request's KV), then PROMPT from disk (promoted to
+    # the CPU tier) and again after vLLM's reset: a 15-block CPU hit over the budget (item 4).
+    serve = engine([{"generate": [S0]}, {"generate": [S1]}, {"generate": [PROMPT]}, {"reset": True, "retry": True},
+                    {"generate": [PROMPT]}], "serve", budget="192KiB")  # fmt: skip
+    (s0,), (s1,), (p1,), (p2,) = outputs(serve)
     assert served_right(s0, sw_base[tuple(S0)]), s0
     assert served_right(s1, sw_base[tuple(S1)]), s1
+    full = len(PROMPT) // BLOCK * BLOCK
+    assert p1["cached"] == full == p2["cached"], (p1, p2)  # served (asynchronously), not a dead engine
+    assert same_output(p1, sw_base[tuple(PROMPT)][1]) and same_output(p2, sw_base[tuple(PROMPT)][1]), (p1, p2)
     # Item 3: the records corrupted, a restarted engine's load of PROMPT fails: vLLM recomputes it (a
     # hybrid model's failure goes by request, failed_recving), never dies.
     from test_vllm_restart import corrupt_payloads
@@ -108,8 +116,7 @@ def test_a_hybrid_model_window_stores_hits_over_the_budget_and_corrupt_records(s
     bad = tmp_path / "bad"
     shutil.copytree(disk, bad)
     assert corrupt_payloads(bad) > 0
-    third = run_engine({"model": sw_llama, "tiered_kv": cache_config(bad, cpu="16MiB"),
-                        "steps": [{"generate": [PROMPT]}], **SW}, tmp_path / "third")  # fmt: skip
+    third = engine([{"generate": [PROMPT]}], "corrupt", on=bad)
     (p,) = outputs(third)[0]
     assert third["counters"].get("failed_load_requests", 0) >= 1
     assert same_output(p, sw_base[tuple(PROMPT)][0]), p  # computed by vLLM
