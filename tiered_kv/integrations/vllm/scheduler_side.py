@@ -86,8 +86,6 @@ class SchedulerHalf:
         self._keys = KeyCache(self._compute_keys)
         self._hints: dict[str, RequestHints] = {}
         self._loads = LoadBook(self._bs, self._loop, self.counters, hybrid=self._groups.hybrid)
-        self._held: dict[str, list[concurrent.futures.Future]] = {}  # finished, blocks kept until stores resolve
-        self._newly_held: list[str] = []
         self._vllm_hashes: dict[str, Any] = {}  # req -> request.block_hashes (vLLM's live list)
         self._book = HashBook(cap=1 << 20)  # our key -> vLLM hash, for the router's KV events
         self._vllm_cache: Any = None  # vLLM's KVCacheManager (bind_kv_cache_manager), for reset
@@ -219,11 +217,7 @@ class SchedulerHalf:
                     req.block_ids[p] = got if rid in resumed else req.block_ids[p] + got
             stores.append((req, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0)))
         self._queue_stores([(r, self._rid_of(r), done) for r, done in stores])
-        for rid, futures in list(self._held.items()):
-            if all(f.done() for f in futures):
-                del self._held[rid]
-                meta.stores_done.append(rid)
-        meta.held, self._newly_held = self._newly_held, []
+        self._store_book.release_held(meta)
         for job in side.proxy.take_jobs():
             (meta.store_jobs if job.direction == STORE else meta.load_jobs).append(job)
         self._loads.close_step(meta)
@@ -293,7 +287,7 @@ class SchedulerHalf:
 
     def has_pending_block_frees(self) -> bool:
         """Finished requests whose blocks wait for their stores: vLLM waits for them instead of preempting."""
-        return bool(self._held)
+        return self._store_book.holding
 
     def hit_sources(self, rid: str, num_external: int) -> dict[str, int]:
         return self._loads.hit_sources(rid, num_external)
@@ -320,9 +314,7 @@ class SchedulerHalf:
             self._release_session(hints.session, list(stores))
         if waits_for_load or not stores:
             return False
-        self._held[rid] = list(stores)
-        self._newly_held.append(rid)
-        return True
+        return self._store_book.hold(rid, stores)
 
     def _release_session(self, session: str | int, stores: list[concurrent.futures.Future]) -> None:
         """The session ended: after the request's own stores resolved, its chain is the first to evict."""
@@ -346,7 +338,7 @@ class SchedulerHalf:
             return True
         if self._vllm_cache is not None and not vllm_cache_is_empty(self._vllm_cache):
             return False  # vLLM's own reset failed (blocks in use): reset only what vLLM reset
-        busy = self._loads.busy or bool(self._held) or any(r.pending_stores() for r in self._reqs.values())
+        busy = self._loads.busy or self._store_book.holding or any(r.pending_stores() for r in self._reqs.values())
         if busy or self._side.proxy.inflight:
             return False
         ok = bool(self._loop.call(self._side.cache.reset()))

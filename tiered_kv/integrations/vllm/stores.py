@@ -12,6 +12,7 @@ before it calls request_finished (``_connector_finished``), so holding its block
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,8 @@ class StoreBook:
         self._counters = counters
         # Requests with window/state stores planned, fenced next step (also once finished and forgotten).
         self._windowed: dict[str, Req] = {}
+        self._held: dict[str, list[concurrent.futures.Future]] = {}  # finished, blocks kept until stores resolve
+        self._newly_held: list[str] = []
 
     def plan(self, req: Req, rid: str, done_tokens: int) -> list[PlannedStore]:
         """The stores of the blocks ``req``'s forward has computed up to ``done_tokens`` not yet planned."""
@@ -99,3 +102,21 @@ class StoreBook:
         self._windowed.clear()
         self._counters["window_fenced_jobs"] += len(sent)
         return sent
+
+    # -- finished requests whose blocks vLLM keeps for their stores (request_finished said True) ------
+    def hold(self, rid: str, stores: list[concurrent.futures.Future]) -> bool:
+        self._held[rid] = list(stores)
+        self._newly_held.append(rid)
+        return True
+
+    @property
+    def holding(self) -> bool:
+        return bool(self._held)
+
+    def release_held(self, meta: Any) -> None:
+        """Into this step's metadata: the requests newly held, and those whose stores all resolved."""
+        for rid, futures in list(self._held.items()):
+            if all(f.done() for f in futures):
+                del self._held[rid]
+                meta.stores_done.append(rid)
+        meta.held, self._newly_held = self._newly_held, []
