@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("vllm.distributed.kv_transfer", reason="vLLM is not installed in this venv: run `make test-vllm`")
 from step_harness import BS, Harness, request  # noqa: E402
-from test_step_protocol import A, C, PREFIX, store_prompt  # noqa: E402
+from test_step_protocol import PREFIX, A, C, store_prompt  # noqa: E402
 
 NEEDS_VLLM = True
 

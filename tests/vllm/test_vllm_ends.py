@@ -24,8 +24,8 @@ BIND = {"env": {"VLLM_CPU_OMP_THREADS_BIND": "0"}}  # one OMP binding for every 
 
 def gap(out: dict, want: dict) -> str:
     """For a failure's message: the first differing token and the largest logprob difference."""
-    diff = next((i for i, (a, b) in enumerate(zip(out["tokens"], want["tokens"])) if a != b), None)
-    lp = max((abs(a - b) for a, b in zip(out.get("logprobs", []), want.get("logprobs", []))), default=0.0)
+    diff = next((i for i, (a, b) in enumerate(zip(out["tokens"], want["tokens"], strict=False)) if a != b), None)
+    lp = max((abs(a - b) for a, b in zip(out.get("logprobs", []), want.get("logprobs", []), strict=False)), default=0.0)
     return f"first differing token {diff}, max logprob difference {lp:.2f}: {out['tokens']} vs {want['tokens']}"
 
 # Item 1: a 9-block CPU hit that ends in its step (max_tokens=1) and computes a 10th block of its own.
