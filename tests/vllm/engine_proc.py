@@ -2,7 +2,7 @@
 
 Usage: python engine_proc.py SPEC_JSON_FILE. The spec names the model dir, the
 tiered_kv config (absent: no connector, the baseline) and the steps:
-``{"generate": [[ids...], ...]}`` (one batch through LLM.generate; ``"hints"`` adds
+``{"generate": [[ids...], ...]}`` (one batch through LLM.generate; ``"max_tokens"`` its own limit; ``"hints"`` adds
 ``kv_transfer_params={"tiered_kv": hints}`` to its requests, ``"hints_each"`` one per prompt),
 ``{"reset": true}`` (llm.reset_prefix_cache()) or ``{"concurrent": [[ids...], ...]}``
 (all at once through AsyncLLM; the spec then sets ``"async": true``).
@@ -91,6 +91,9 @@ def run_sync(spec: dict) -> list:
         else:
             t = time.monotonic()
             params = sp
+            if step.get("max_tokens"):  # this step's requests end after that many tokens (1: in their first step)
+                params = sp.clone()
+                params.max_tokens = step["max_tokens"]
             if step.get("hints"):  # kv_transfer_params {"tiered_kv": {...}} for every request of the step
                 params = sp.clone()
                 params.extra_args = {"kv_transfer_params": {"tiered_kv": step["hints"]}}

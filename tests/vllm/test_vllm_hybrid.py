@@ -78,7 +78,9 @@ def test_a_sliding_window_model_hits_with_only_the_last_window_stored(hybrid_mod
     assert c["stored_full_blocks_planned"] == 3 * full  # three prompts, every block of the full group
     assert c["stored_sliding_blocks_planned"] == 3 * SW_GROUPS * WINDOW_BLOCKS  # not 3 * 3 * 9
     assert c["loaded_blocks"] == full + SW_GROUPS * WINDOW_BLOCKS
-    assert c["sync_loads"] == 1  # all in the CPU tier: served in the step it was found
+    # All in the CPU tier, yet loaded asynchronously: vLLM 0.32 takes a hybrid model's load failures only
+    # from requests waiting for their load (failed_recving), never block ids (issue 36).
+    assert c.get("sync_loads", 0) == 0
     # Every group's block is one 16 KiB page of the shared allocation (2 KV heads x 32 dims x 32 tokens x
     # K and V x 4 bytes), never the 64 KiB a sum over the four aliased tensors gives.
     assert {g["bytes_per_block"] for g in report["groups"]} == {16384} == {report["stats"]["bytes_per_block"]}

@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -92,6 +93,13 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker.finished(finished_req_ids)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # A hybrid model's failed load is reported by request (vLLM 0.32 refuses its block ids); a
+        # failed request is in finished_recving too, as vLLM wants.
+        sending, recving = self._worker.finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=self._worker.failed_loads())  # fmt: skip
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors()
 
@@ -155,6 +163,10 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         # Jobs resolve from the workers' reports, which travel only with a step: keep vLLM stepping
         # while any is in flight, so an idle engine still lands its last stores (and a reset can run).
         return self._sched.has_jobs_in_flight() if self._sched is not None else False
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        if self._sched is not None:
+            self._sched.bind_vllm_cache(kv_cache_manager)
 
     def reset_cache(self) -> bool | None:
         return self._sched.reset() if self._sched is not None else None

@@ -69,8 +69,13 @@ def find_hit(cache: Any, groups: KVGroups, keys: list[list[bytes]], first: int, 
     # copies the boundary's state into the block the forward writes (preprocess_mamba) before
     # start_load_kv runs, so a synchronous load would land after the copy read zeros. Asynchronous, it
     # lands before the request is scheduled to compute.
+    #
+    # A hit of several KV cache groups is always asynchronous: vLLM 0.32 takes a hybrid model's load
+    # failures only as whole requests waiting for their load (failed_recving); a synchronous load that
+    # failed (the byte budget taken group by group, a block gone since the lookup, a copy error) would
+    # have no way to say so, and block ids kill its EngineCore (_handle_invalid_blocks).
     mamba = any(g.kind == MAMBA for g in groups.groups)
-    hit.in_cpu = hit.in_cpu and not mamba and cache.copies_now(hit.blocks)
+    hit.in_cpu = hit.in_cpu and not mamba and not groups.hybrid and cache.copies_now(hit.blocks)
     return hit
 
 

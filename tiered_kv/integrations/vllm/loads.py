@@ -7,7 +7,13 @@ loads are load errors in this same step. Any other hit is an asynchronous load t
 the request is promised (a load that keeps failing would otherwise be promised again forever).
 
 A hybrid model's hit loads a range of blocks per KV cache group (hits.py) under one tag: one load per
-group, and a synchronous one is served only when every group's job is queued in this step.
+group, always asynchronously (hits.py): vLLM 0.32 takes no block-level load errors from a model with
+several KV cache groups, only whole requests in ``failed_recving``, and only for requests waiting for
+their load (WAITING_FOR_REMOTE_KVS). So a hybrid load that landed short fails its request, which vLLM
+recomputes.
+
+A request may finish or be aborted while its load is in flight: its state is forgotten then, and what
+the load brings later is only reported (an async load's finished_recving frees its blocks), never kept.
 """
 
 from __future__ import annotations
@@ -42,8 +48,9 @@ class _Asked:
 
 
 class LoadBook:
-    def __init__(self, block_size: int, loop: Any, counters: Counter[str]) -> None:
+    def __init__(self, block_size: int, loop: Any, counters: Counter[str], *, hybrid: bool = False) -> None:
         self._bs = block_size
+        self._hybrid = hybrid  # vLLM has several KV cache groups: failures go by request, never by block
         self._loop = loop
         self._counters = counters
         self._asked: dict[str, _Asked] = {}
@@ -53,9 +60,15 @@ class LoadBook:
         self._cap: dict[str, int] = {}  # req -> blocks a load of it landed before a failure
         self._loaded_upto: dict[str, int] = {}  # blocks resident after a load (its stores start there)
         self._sources: dict[str, Counter[str]] = {}  # req -> the promised blocks per tier (vLLM's hit metrics)
+        self._gone: set[str] = set()  # finished requests whose load is still in flight: keep nothing it brings
 
     def in_flight(self, rid: str) -> bool:
         return rid in self._loads
+
+    def async_in_flight(self, rid: str) -> bool:
+        """vLLM holds the blocks of a request waiting for its async load until finished_recving."""
+        load = self._loads.get(rid)
+        return load is not None and not load.sync
 
     @property
     def busy(self) -> bool:
@@ -78,9 +91,8 @@ class LoadBook:
         if num_external <= 0 or asked is None:
             return
         start, hit = asked.first, asked.hit
-        if start + num_external // self._bs != hit.boundary:
-            log.warning("tiered_kv: %s: vLLM admitted %d external tokens, not the %d promised; no load", rid,
-                        num_external, (hit.boundary - start) * self._bs)  # fmt: skip
+        if start + num_external // self._bs != hit.boundary or num_external % self._bs:
+            self._admitted_otherwise(rid, start, hit, block_ids, num_external)
             return
         ids = [block_ids[p][a:b] for p, (a, b) in enumerate(hit.ranges)]
         one = len(hit.ranges) == 1
@@ -110,12 +122,31 @@ class LoadBook:
             self._sync_tags.add(tag)
             self._loads[rid] = _Load(start, [flat[:planned]] if one else ids, future, True, upto)
 
+    def _admitted_otherwise(self, rid: str, start: int, hit: Hit, block_ids: list[list[int]], num_external: int) -> None:
+        """vLLM admitted another number of external tokens than promised: nothing is loaded, and the
+        admitted blocks are reported failed (never left for a forward to read uninitialised)."""
+        log.error("tiered_kv: %s: vLLM admitted %d external tokens, not the %d promised; reported as a failed "
+                  "load (vLLM recomputes them)", rid, num_external, (hit.boundary - start) * self._bs)  # fmt: skip
+        end = start + -(-num_external // self._bs)
+        ids = [group[start:end] for group in block_ids]
+        self._counters["load_admission_mismatches"] += 1
+        self._cap[rid] = start
+        if hit.in_cpu and not self._hybrid:  # answered synchronously: an error in this very step
+            self._sync_errors += ids[0]
+            self._counters["load_error_blocks"] += len(ids[0])
+            return
+        failed: concurrent.futures.Future = concurrent.futures.Future()
+        failed.set_result([0] * len(ids) if len(ids) > 1 else 0)  # landed nothing: finish() reports it
+        self._loads[rid] = _Load(start, ids, failed, False, end)
+
     def finish(self, meta: TieredKVMetadata) -> None:
         """Loads that returned since the last step: counted; an async one's outcome goes to the workers."""
         for rid, load in list(self._loads.items()):
             if not load.future.done():
                 continue
             del self._loads[rid]
+            gone = rid in self._gone
+            self._gone.discard(rid)
             wanted = sum(len(ids) for ids in load.block_ids)
             try:
                 got = load.future.result()
@@ -128,13 +159,19 @@ class LoadBook:
             # One group: the blocks landed are a prefix of it. Several: a group short of its range
             # leaves the hit unusable past ``start`` (vLLM recomputes from its first missing block).
             upto = load.start + landed[0] if len(landed) == 1 else (load.start if any(short) else load.boundary)
-            if upto < load.boundary:
+            if upto < load.boundary and not gone:
                 self._cap[rid] = upto  # a retry recomputes instead of being promised them again
             if load.sync:
                 continue  # the workers reported their own copy failures in the step it ran
             self._counters["load_error_blocks"] += sum(map(len, short))
-            meta.loads_done[rid] = [b for ids in short for b in ids]
-            self._loaded_upto[rid] = upto
+            if self._hybrid and any(short):  # vLLM takes no block ids from a hybrid model: fail the request
+                meta.loads_done[rid] = []
+                meta.loads_failed.append(rid)
+                self._counters["failed_load_requests"] += 1
+            else:
+                meta.loads_done[rid] = [b for ids in short for b in ids]
+            if not gone:
+                self._loaded_upto[rid] = upto
 
     def close_step(self, meta: TieredKVMetadata) -> None:
         """The step's jobs are in ``meta``: mark its synchronous loads and errors, forget its answers."""
@@ -160,6 +197,9 @@ class LoadBook:
         return {k: v for k, v in out.items() if v > 0}
 
     def forget(self, rid: str) -> None:
+        """request_finished: drop the request's state; a load still in flight is reported, never kept."""
         for table in (self._asked, self._loaded_upto, self._cap, self._sources):
             table.pop(rid, None)
+        if rid in self._loads:
+            self._gone.add(rid)
 

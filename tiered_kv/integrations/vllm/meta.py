@@ -27,6 +27,7 @@ class TieredKVMetadata(KVConnectorMetadata):
     sync_load_errors: list[int] = field(default_factory=list)  # promised blocks no job loads: recompute them
     fence: list[int] = field(default_factory=list)  # store job ids of preempted requests: land before the forward
     loads_done: dict[str, list[int]] = field(default_factory=dict)  # async load over: req -> blocks not landed
+    loads_failed: list[str] = field(default_factory=list)  # of loads_done: failed as a whole (failed_recving)
     stores_done: list[str] = field(default_factory=list)  # finished requests whose stores resolved: free them
     held: list[str] = field(default_factory=list)  # requests whose freeing waits for stores (request_finished)
 

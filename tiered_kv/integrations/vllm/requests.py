@@ -71,3 +71,12 @@ class KeyCache:
 
     def clear(self) -> None:
         self._keys.clear()
+
+
+def vllm_cache_is_empty(kv_cache_manager: object) -> bool:
+    """vLLM's reset_prefix_cache succeeded just before it resets the connector iff no block but the
+    null one is in use (BlockPool.reset_prefix_cache's own test)."""
+    pool = getattr(kv_cache_manager, "block_pool", None)
+    if pool is None:
+        return True
+    return pool.num_gpu_blocks - pool.get_num_free_blocks() == 1

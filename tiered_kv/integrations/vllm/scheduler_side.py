@@ -37,7 +37,7 @@ from .loads import LoadBook
 from .meta import TieredKVHandshake, TieredKVMetadata
 from .planning import start_stores
 from .replicas import check_rank_replicas, kv_tp_replicas
-from .requests import KeyCache, Req, new_tag
+from .requests import KeyCache, Req, new_tag, vllm_cache_is_empty
 from .runtime import (
     LoopThread,
     close_before_executors_exit,
@@ -85,11 +85,10 @@ class SchedulerHalf:
         self._no_store: set[str] = set()  # requests whose KV no key can name (prompt embeddings)
         self._keys = KeyCache(self._compute_keys)
         self._hints: dict[str, RequestHints] = {}
-        self._loads = LoadBook(self._bs, self._loop, self.counters)
-        self._held: dict[str, list[concurrent.futures.Future]] = {}  # finished, blocks kept until stores resolve
-        self._newly_held: list[str] = []
+        self._loads = LoadBook(self._bs, self._loop, self.counters, hybrid=self._groups.hybrid)
         self._vllm_hashes: dict[str, Any] = {}  # req -> request.block_hashes (vLLM's live list)
         self._book = HashBook(cap=1 << 20)  # our key -> vLLM hash, for the router's KV events
+        self._vllm_cache: Any = None  # vLLM's KVCacheManager (bind_kv_cache_manager), for reset
         self._closed = False
         publish_runtime(engine_id, self)
         close_before_executors_exit(self.close)
@@ -200,7 +199,7 @@ class SchedulerHalf:
             self.counters["preemptions"] += 1
             self.counters["fenced_preemptions"] += in_flight  # its stores were cancelled or fenced
         self._loads.finish(meta)
-        meta.fence += self._store_book.fence_windows(side.proxy, self._reqs)
+        meta.fence += self._store_book.fence_windows(side.proxy)
         stores: list[tuple[Req, Any]] = []
         for new in so.scheduled_new_reqs:
             req = self._admit(new)
@@ -218,11 +217,7 @@ class SchedulerHalf:
                     req.block_ids[p] = got if rid in resumed else req.block_ids[p] + got
             stores.append((req, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0)))
         self._queue_stores([(r, self._rid_of(r), done) for r, done in stores])
-        for rid, futures in list(self._held.items()):
-            if all(f.done() for f in futures):
-                del self._held[rid]
-                meta.stores_done.append(rid)
-        meta.held, self._newly_held = self._newly_held, []
+        self._store_book.release_held(meta)
         for job in side.proxy.take_jobs():
             (meta.store_jobs if job.direction == STORE else meta.load_jobs).append(job)
         self._loads.close_step(meta)
@@ -292,7 +287,7 @@ class SchedulerHalf:
 
     def has_pending_block_frees(self) -> bool:
         """Finished requests whose blocks wait for their stores: vLLM waits for them instead of preempting."""
-        return bool(self._held)
+        return self._store_book.holding
 
     def hit_sources(self, rid: str, num_external: int) -> dict[str, int]:
         return self._loads.hit_sources(rid, num_external)
@@ -301,10 +296,14 @@ class SchedulerHalf:
         return self._side is not None and self._side.proxy.inflight > 0
 
     def request_finished(self, request: Any) -> bool:
-        """True: vLLM keeps the request's blocks until a later step reports its stores resolved."""
+        """True: vLLM keeps the request's blocks until a later step reports its stores resolved (a
+        synchronous load has landed before its step's forward; window stores are fenced next step, as
+        vLLM freed those blocks already). False while an async load is in flight: vLLM holds the blocks
+        itself until our finished_recving, which frees them (a True would free them twice)."""
         rid = request.request_id
         for table in (self._salts, self._vllm_hashes):
             table.pop(rid, None)
+        waits_for_load = self._loads.async_in_flight(rid)
         self._loads.forget(rid)
         self._keys.pop(rid)
         self._no_store.discard(rid)
@@ -313,13 +312,9 @@ class SchedulerHalf:
         hints = self._hints.pop(rid, NO_HINTS)
         if hints.end_session and self._side is not None:
             self._release_session(hints.session, list(stores))
-        if self._loads.in_flight(rid):
-            return False  # vLLM holds the blocks of a request waiting for its load (finished_recving frees them)
-        if not stores:
+        if waits_for_load or not stores:
             return False
-        self._held[rid] = list(stores)
-        self._newly_held.append(rid)
-        return True
+        return self._store_book.hold(rid, stores)
 
     def _release_session(self, session: str | int, stores: list[concurrent.futures.Future]) -> None:
         """The session ended: after the request's own stores resolved, its chain is the first to evict."""
@@ -341,7 +336,9 @@ class SchedulerHalf:
         nothing, while a load or store is in flight (vLLM reports the reset as failed; try again)."""
         if self._side is None:
             return True
-        busy = self._loads.busy or bool(self._held) or any(r.pending_stores() for r in self._reqs.values())
+        if self._vllm_cache is not None and not vllm_cache_is_empty(self._vllm_cache):
+            return False  # vLLM's own reset failed (blocks in use): reset only what vLLM reset
+        busy = self._loads.busy or self._store_book.holding or any(r.pending_stores() for r in self._reqs.values())
         if busy or self._side.proxy.inflight:
             return False
         ok = bool(self._loop.call(self._side.cache.reset()))
@@ -349,6 +346,9 @@ class SchedulerHalf:
             self.counters["resets"] += 1
             self._maybe_write_stats()
         return ok
+
+    def bind_vllm_cache(self, kv_cache_manager: Any) -> None:
+        self._vllm_cache = kv_cache_manager
 
     def take_events(self) -> list[Any]:
         """The tiers' stored/removed blocks since the last call, as vLLM KV events in vLLM's block hashes."""

@@ -6,10 +6,13 @@ what a later hit at the prompt's last boundaries needs (groups.py), under a tag 
 those blocks while the request runs (``remove_skipped_blocks``, in the schedule that builds the next
 step), so at the next step their stores are fenced (the workers wait for the sent ones before the
 forward) and the unsent ones refused. A preempted request's stores of every group are fenced the same.
+A request that finishes keeps its window stores fenced the same way: vLLM frees its out-of-window blocks
+before it calls request_finished (``_connector_finished``), so holding its blocks does not cover them.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +37,10 @@ class StoreBook:
         self._groups = groups
         self._bs = block_size
         self._counters = counters
-        self._windowed: set[str] = set()  # requests with window/state stores planned, fenced next step
+        # Requests with window/state stores planned, fenced next step (also once finished and forgotten).
+        self._windowed: dict[str, Req] = {}
+        self._held: dict[str, list[concurrent.futures.Future]] = {}  # finished, blocks kept until stores resolve
+        self._newly_held: list[str] = []
 
     def plan(self, req: Req, rid: str, done_tokens: int) -> list[PlannedStore]:
         """The stores of the blocks ``req``'s forward has computed up to ``done_tokens`` not yet planned."""
@@ -55,7 +61,7 @@ class StoreBook:
                     continue
                 if not req.window_tag:
                     req.window_tag = new_tag(rid)
-                self._windowed.add(rid)
+                self._windowed[rid] = req
                 tag, prefix = req.window_tag, []
             self._counters[f"stored_{g.kind}_blocks_planned"] += len(idx)
             out.append(PlannedStore(tag, [keys[i] for i in idx], [ids[i] for i in idx], prefix, idx[0],
@@ -79,17 +85,16 @@ class StoreBook:
                 sent += proxy.sent_jobs(tag, STORE)
         req.tag = new_tag(rid)  # a fresh tag: the fenced one refuses every later job
         req.window_tag = ""
-        self._windowed.discard(rid)
+        self._windowed.pop(rid, None)
         req.next_store = [0] * len(req.next_store)  # what the fenced stores did not land is stored again
         return sent
 
-    def fence_windows(self, proxy: Any, reqs: dict[str, Req]) -> list[int]:
-        """The window/state stores planned last step: the sent ones' ids (to land before this step's
-        forward reuses their blocks); the unsent ones are refused."""
+    def fence_windows(self, proxy: Any) -> list[int]:
+        """The window/state stores planned last step, of running and finished requests alike: the sent
+        ones' ids (to land before this step's forward reuses their blocks); the unsent ones are refused."""
         sent: list[int] = []
-        for rid in self._windowed:
-            req = reqs.get(rid)
-            if req is None or not req.window_tag:
+        for req in self._windowed.values():
+            if not req.window_tag:
                 continue
             proxy.cancel_request(req.window_tag)
             sent += proxy.sent_jobs(req.window_tag, STORE)
@@ -97,3 +102,21 @@ class StoreBook:
         self._windowed.clear()
         self._counters["window_fenced_jobs"] += len(sent)
         return sent
+
+    # -- finished requests whose blocks vLLM keeps for their stores (request_finished said True) ------
+    def hold(self, rid: str, stores: list[concurrent.futures.Future]) -> bool:
+        self._held[rid] = list(stores)
+        self._newly_held.append(rid)
+        return True
+
+    @property
+    def holding(self) -> bool:
+        return bool(self._held)
+
+    def release_held(self, meta: Any) -> None:
+        """Into this step's metadata: the requests newly held, and those whose stores all resolved."""
+        for rid, futures in list(self._held.items()):
+            if all(f.done() for f in futures):
+                del self._held[rid]
+                meta.stores_done.append(rid)
+        meta.held, self._newly_held = self._newly_held, []

@@ -139,6 +139,10 @@ class WorkerHalf:
         recving = set(self._meta.loads_done) if self._meta is not None else set()
         return sending, recving
 
+    def failed_loads(self) -> set[str]:
+        """Requests whose async load failed as a whole (a hybrid model's): vLLM recomputes them."""
+        return set(self._meta.loads_failed) if self._meta is not None else set()
+
     def load_errors(self) -> set[int]:
         errors = set(self._errors)
         if self._meta is not None:
