@@ -54,23 +54,6 @@ def tensors(geometry: str, num_blocks: int) -> tuple[dict[str, torch.Tensor], in
     return out, 1
 
 
-def dma_peak(nbytes: int, tries: int = 9) -> dict[str, float]:
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    host.fill_(1)
-    out = {}
-    for name, dst, src in (("d2h", host, dev), ("h2d", dev, host)):
-        runs = []
-        for _ in range(tries + 1):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            dst.copy_(src, non_blocking=True)
-            torch.cuda.synchronize()
-            runs.append(time.perf_counter() - t0)
-        out[name] = round(nbytes / statistics.median(runs[1:]) / 1e9, 2)
-    return out
-
-
 async def case(geometry: str, path: str, calls: int, num_blocks: int, cpu_calls: int) -> dict:
     from tiered_kv.bench.rig import cache_config, fresh_keys
     from tiered_kv.cache import TieredKVCache
@@ -165,9 +148,10 @@ def main() -> int:
         Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
         print(json.dumps(doc))
         return 0
+    from tiered_kv.bench.gpu import pinned_dma_gbps
     from tiered_kv.transfer import table_kernel
 
-    dma = dma_peak(BATCH * BLOCK)
+    dma = pinned_dma_gbps(BATCH * BLOCK)
     doc = {"dry_run": False, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": table_kernel.available(), "batch_blocks": BATCH, "pinned_dma_gbps": dma, "cases": []}  # fmt: skip
     for geometry in ("llama8b", "vllm032"):

@@ -36,8 +36,12 @@ def bench_gpu(block_sizes=BLOCK_SIZES, regions=REGIONS, **kw) -> dict:
 
 
 def _dma_peak(block_bytes: int, tries: int = 9) -> dict[str, float]:
-    """Median GB/s of one contiguous copy of a batch between device memory and page-locked host memory."""
-    nbytes = BATCH * block_bytes
+    return pinned_dma_gbps(BATCH * block_bytes, tries)
+
+
+def pinned_dma_gbps(nbytes: int, tries: int = 9) -> dict[str, float]:
+    """Median GB/s of one contiguous copy of ``nbytes`` between device memory and page-locked host memory
+    (d2h, h2d): the yardstick every GPU ratio is taken against (the bench, scripts/gpu_e2e.py)."""
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     host.fill_(1)
