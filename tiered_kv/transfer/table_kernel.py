@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from tiered_kv.errors import TransferError
+
 # Imported on first need (``available``): importing triton costs about 0.1 s, which a CPU-only user of
 # tiered_kv should not pay. CUDA builds of torch ship triton; the CPU venv has it from the `kernel` extra.
 triton: Any = None
@@ -88,7 +90,8 @@ def launch(table: Any, ids: Any, host_rows: Any, host_addr: int, host_row_bytes:
     # Decorated on first use, per mode: triton.jit picks the interpreter from TRITON_INTERPRET at
     # decoration time, and a test process may set it after importing tiered_kv.
     if not available():
-        raise RuntimeError("the table path's kernel needs triton, which does not import here")
+        raise TransferError("the table path's kernel needs triton, which does not import here "
+                            "(pip install -e '.[kernel]', or copy path 'groups')")
     mode = interpreting()
     kernel = _KERNELS.get(mode)
     if kernel is None:
