@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check in one command (issues 27, 38): install carried wheels, build the native core, run the GPU
 # tests (make test-gpu's set, the slow realistic batch and the ShardCopier tests included), `tiered-kv bench
-# --only gpu --json`, the end-to-end case at two geometries for every copy path (scripts/gpu_e2e.py), and
+# --only gpu --json`, the end-to-end case at two geometries for every copy path (scripts/gpu_e2e.py), the
+# model's compute beside the copies per path (scripts/gpu_compute_beside.py), and
 # the vLLM-free TP=2 ShardCopier bench; write ONE JSON with the device's name, the copy path chosen, GB/s
 # per direction and each case's ratio to one pinned DMA of the same bytes. About 5 minutes on an H200.
 #
@@ -88,6 +89,7 @@ else
 fi
 step bench bench.json "$PY" -m tiered_kv.cli bench --only gpu --json
 step e2e e2e.log "$PY" scripts/gpu_e2e.py --json "$OUT/e2e.json"
+step compute-beside compute-beside.log "$PY" scripts/gpu_compute_beside.py --json "$OUT/compute-beside.json"
 step shard-bench shard-bench.log "$PY" scripts/bench_shard_copier.py --world 2 --engine cuda \
     --json "$OUT/shard-bench.json"
 
@@ -127,6 +129,10 @@ else:
                                                  "both_of_one_direction", "bytes_equal")}
     except (OSError, ValueError, KeyError) as exc:
         doc["e2e_error"] = repr(exc)
+    try:  # scripts/gpu_compute_beside.py: the model's compute beside the copies, per copy path
+        doc["compute_beside"] = json.loads((out / "compute-beside.json").read_text())
+    except (OSError, ValueError) as exc:
+        doc["compute_beside_error"] = repr(exc)
     try:
         shard = json.loads((out / "shard-bench.json").read_text())
         gbps["shard_copier_tp2"] = shard["copies"]["gbps_per_rank"]
