@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import textwrap
 
 import numpy as np
 import pytest
@@ -111,17 +112,25 @@ def test_evict_refused_in_a_hierarchy_changes_nothing() -> None:
 
 
 # -- 3. the domain outlives its tiers, and a tier freed first makes the other refuse ----------------
+# A bare native CPU + disk pair in one domain, for the snippets that free one of them in a fresh process
+# (bare core objects: nothing else holds a reference that would keep them alive).
+BARE_PAIR = """
+import gc, hashlib
+from tiered_kv.core import core, seeds
+from tiered_kv.policy.window import HIGH, LOW, START
+s = seeds()
+tier = lambda name: core.Tier(name, 4, 32, 1, s, START, LOW, HIGH)
+d = core.Domain(1, 4, 4, s, START, LOW, HIGH)
+cpu, disk = tier("cpu"), tier("disk")
+d.attach(cpu, disk)
+"""
+
+
 def test_freeing_the_domain_object_keeps_it_alive_for_its_tiers() -> None:
     out = run_isolated(
-        """
-        import gc, hashlib
-        from tiered_kv.core import core, seeds
-        from tiered_kv.policy.window import HIGH, LOW, START
-        s = seeds()
-        tier = lambda name: core.Tier(name, 4, 32, 1, s, START, LOW, HIGH)  # freed with its last reference
-        d = core.Domain(1, 4, 4, s, START, LOW, HIGH)
-        cpu, disk = tier("cpu"), tier("disk")
-        d.attach(cpu, disk)
+        BARE_PAIR
+        + textwrap.dedent(
+            """
         del d
         gc.collect()
         junk = [bytearray(4096) for _ in range(2000)]  # reuse what a freed domain left
@@ -133,22 +142,17 @@ def test_freeing_the_domain_object_keeps_it_alive_for_its_tiers() -> None:
         cpu.check_invariants(); disk.check_invariants()
         print("ok", len(victims), cpu.n_ready, disk.n_ready)
         """
+        )
     )
     assert "ok 2 4 2" in out
 
 
 def test_a_tier_freed_first_makes_the_other_refuse() -> None:
     out = run_isolated(
-        """
-        import gc, hashlib
-        from tiered_kv.core import core, seeds
+        BARE_PAIR
+        + textwrap.dedent(
+            """
         from tiered_kv.errors import TieredKVError
-        from tiered_kv.policy.window import HIGH, LOW, START
-        s = seeds()
-        tier = lambda name: core.Tier(name, 4, 32, 1, s, START, LOW, HIGH)  # freed with its last reference
-        d = core.Domain(1, 4, 4, s, START, LOW, HIGH)
-        cpu, disk = tier("cpu"), tier("disk")
-        d.attach(cpu, disk)
         del disk
         gc.collect()
         slots = cpu.reserve([hashlib.sha256(b"%d" % i).digest() for i in range(4)])
@@ -160,6 +164,7 @@ def test_a_tier_freed_first_makes_the_other_refuse() -> None:
                 print("refused:", e)
         print("reserved", cpu.n_reserved)
         """
+        )
     )
     assert out.count("refused: cpu:") == 3 and "other tier was freed" in out and "accepted" not in out
     assert "reserved 4" in out
