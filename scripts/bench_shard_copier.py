@@ -50,9 +50,7 @@ def config(shm: str, world: int, shard: int, slots: int) -> dict:
 
 def bench_copies(a: argparse.Namespace, shm: str) -> dict:
     import tiered_kv as tkv
-    from tiered_kv.split import LOAD, STORE, ShardJob
-    from tiered_kv.split.scheduler import segment_info_for
-    from tiered_kv.split.worker import ShardCopier
+    from tiered_kv.cross_process import LOAD, STORE, ShardCopier, ShardJob, segment_info_for
 
     shard, n = a.shard_kib * 1024, a.blocks
     widths = (shard * 3 // 4, shard - shard * 3 // 4)  # a K and a V region
@@ -106,7 +104,7 @@ def bench_copies(a: argparse.Namespace, shm: str) -> dict:
 
 def bench_disk(a: argparse.Namespace, shm: str, root: str) -> dict:
     import tiered_kv as tkv
-    from tiered_kv.split.scheduler import group_layout, segment_info_for
+    from tiered_kv.cross_process import group_layout, segment_info_for
     from tiered_kv.tiers.disk import DiskNamespace, DiskStore
     from tiered_kv.tiers.shared_cpu import SharedSegment
     from tiered_kv.tiers.shared_slabs import SharedCpuSlabs

@@ -11,13 +11,18 @@ keeps asyncio's loop; ``1``/``on``/``true``/``yes`` requires uvloop (a ConfigErr
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import logging
 import os
+import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, TransferError
 
-__all__ = ["ENV_VAR", "loop_factory", "new_loop", "run", "uvloop_chosen"]
+__all__ = ["ENV_VAR", "LoopThread", "loop_factory", "new_loop", "run", "uvloop_chosen"]
+
+log = logging.getLogger(__name__)
 
 ENV_VAR = "TIERED_KV_UVLOOP"
 _OFF, _ON, _AUTO = {"0", "off", "false", "no"}, {"1", "on", "true", "yes"}, {"", "auto"}
@@ -64,3 +69,83 @@ def run(coro: Coroutine[Any, Any, Any]) -> Any:
         coro.close()  # never started: close it so it does not warn about never being awaited
         raise
     return _uvloop().run(coro) if chosen else asyncio.run(coro)
+
+
+CALL_TIMEOUT_S = 120.0  # a load or store that takes longer is a fault, reported as one
+
+
+class LoopThread:
+    """An event loop (``new_loop``) on a daemon thread; ``call`` waits for a coroutine, ``submit`` does not.
+
+    For a caller on a synchronous thread (vLLM's engine thread) driving a cache that lives on the loop.
+    """
+
+    def __init__(self, name: str = "tiered-kv-loop", device: Any = None) -> None:
+        self._loop = new_loop()
+        self._device = device
+        self._thread = threading.Thread(target=self._run_loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _run_loop(self) -> None:
+        # The loop thread is ours: its current device must be the KV tensors' (the copy
+        # engine's CUDA calls run here), or each call would create a context on GPU 0.
+        if self._device is not None and self._device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(self._device)
+        self._loop.run_forever()
+
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
+        """Start ``coro`` on the loop; its outcome comes back on the returned future."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def call(self, coro: Coroutine[Any, Any, Any], timeout: float = CALL_TIMEOUT_S) -> Any:
+        """Run ``coro`` on the loop and wait for it, at most ``timeout`` seconds before cancelling it.
+
+        A call that times out is cancelled, and this still waits until the call has
+        ended: a cancelled load or store returns only once its copies into or out of
+        the caller's blocks have landed (the cache's contract), and the caller may reuse
+        those blocks the moment we return. Then it raises TransferError.
+        """
+        outcome: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        task: list[asyncio.Task] = []
+
+        def start() -> None:
+            task.append(self._loop.create_task(coro))
+            task[0].add_done_callback(lambda t: _settle(outcome, t))
+
+        self._loop.call_soon_threadsafe(start)
+        try:
+            return outcome.result(timeout)
+        except concurrent.futures.TimeoutError:
+            if outcome.done():  # the call itself raised TimeoutError
+                raise
+        self._loop.call_soon_threadsafe(lambda: task[0].cancel())  # after start: the loop runs callbacks in order
+        while True:
+            try:
+                return outcome.result(timeout)  # it finished between the timeout and the cancel
+            except concurrent.futures.CancelledError:
+                raise TransferError(f"tiered_kv call timed out after {timeout} s; it was cancelled and its "
+                                    "copies have landed") from None  # fmt: skip
+            except concurrent.futures.TimeoutError:
+                if outcome.done():
+                    raise
+                if not self._thread.is_alive():
+                    raise TransferError("tiered_kv: the cache's loop thread stopped during a call") from None
+                log.warning("tiered_kv: a call cancelled after %.0f s is still waiting for its copies", timeout)
+
+    def stop(self) -> None:
+        """Stop the loop and join its thread (the loop is closed once the thread has ended)."""
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+
+def _settle(outcome: concurrent.futures.Future, task: asyncio.Task) -> None:
+    if task.cancelled():
+        outcome.cancel()
+    elif task.exception() is not None:
+        outcome.set_exception(task.exception())
+    else:
+        outcome.set_result(task.result())

@@ -18,9 +18,9 @@ import time
 
 import pytest
 import torch
+from loop_cache import CacheThread
 
 import tiered_kv as tkv
-from tiered_kv.integrations.vllm.runtime import CacheRuntime
 from tiered_kv.tiers.cpu import CpuSlabs
 from tiered_kv.transfer import CUDAStreamEngine, Direction
 from tiered_kv.transfer.staged import Staging
@@ -60,7 +60,7 @@ def test_store_waits_for_compute_queued_on_another_threads_stream(as_stream):
     # current stream is the default one. The store must wait for the model's stream anyway.
     kv = kv_on_cuda()
     layout = tkv.KVLayout.from_tensors(kv, 32)
-    rt = CacheRuntime(tkv.load_config(cache_config(32, 2 * WIDTH, 16)), layout)
+    rt = CacheThread(cache_config(32, 2 * WIDTH, 16), layout)
     model_stream = torch.cuda.Stream()
     previous = torch.cuda.current_stream()
     try:
@@ -74,12 +74,12 @@ def test_store_waits_for_compute_queued_on_another_threads_stream(as_stream):
         if not as_stream:
             compute.record()  # on this thread's current stream: the model's
         assert not model_stream.query(), "test setup: the model stream finished too early"
-        assert rt.store(keys, [4, 5, 6, 7], compute=compute).stored == 4
+        assert rt.call(rt.cache.store(keys, [4, 5, 6, 7], compute=compute)).stored == 4
         torch.cuda.set_stream(previous)
         torch.cuda.synchronize()
         for t in kv.values():
             t.zero_()
-        assert rt.load(keys, [20, 21, 22, 23]) == 4
+        assert rt.call(rt.cache.load(keys, [20, 21, 22, 23])) == 4
         torch.cuda.synchronize()
         for t in kv.values():
             assert bool((t[20:24] == 7).all()), "the store copied before the model's stream wrote (vLLM #45704)"

@@ -14,11 +14,9 @@ import pytest
 import torch
 
 import tiered_kv as tkv
+from tiered_kv.cross_process import LOAD, STORE, ShardCopier, ShardJob, segment_info_for
 from tiered_kv.layout import KVLayout
-from tiered_kv.split import LOAD, STORE, ShardJob
-from tiered_kv.split.worker import ShardCopier
 from tiered_kv.tiers.cpu import CpuSlabs
-from tiered_kv.tiers.segment_geometry import segment_info_for
 from tiered_kv.transfer import CUDAStreamEngine
 
 pytestmark = pytest.mark.gpu

@@ -1,7 +1,7 @@
-"""The remote tier over the split's shared segment: a whole TP group's row goes to Redis and comes back.
+"""The remote tier over the scheduler's shared segment: a whole TP group's row goes to Redis and comes back.
 
 No workers here: the test writes the ranks' shards into the segment rows itself (what the workers'
-copies do) and reports the jobs done; test_split_e2e.py runs real worker processes.
+copies do) and reports the jobs done; test_cross_process_e2e.py runs real worker processes.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import asyncio
 import numpy as np
 
 import tiered_kv as tkv
-from tiered_kv.split.scheduler import open_scheduler_cache
+from tiered_kv.cross_process import open_scheduler_cache
 
 SHARD, WORLD = 1024, 2
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from fake_cudart import PageLockingRuntime
 
+from tiered_kv.cross_process.shard_copier import _pin
 from tiered_kv.errors import PinningError
-from tiered_kv.split.worker import _pin
 from tiered_kv.tiers.pinning import pin_chunks
 from tiered_kv.tiers.shared_cpu import SegmentInfo, SharedSegment
 

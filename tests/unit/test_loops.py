@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import uvloop
+from loop_cache import CacheThread
 
 import tiered_kv as tkv
 from tiered_kv import loops
@@ -59,9 +60,8 @@ def test_a_bad_value_names_the_variable(monkeypatch):
 
 
 @pytest.mark.parametrize("value,kind", [(None, "uvloop"), ("0", "asyncio")])
-def test_the_vllm_connectors_loop_thread(monkeypatch, value, kind):
-    from tiered_kv.integrations.vllm.runtime import CacheRuntime
-
+def test_the_loop_thread_a_cache_runs_on(monkeypatch, value, kind):
+    """LoopThread: the vLLM connector's scheduler half runs its cache on one."""
     if value is None:
         monkeypatch.delenv(loops.ENV_VAR, raising=False)
     else:
@@ -69,7 +69,7 @@ def test_the_vllm_connectors_loop_thread(monkeypatch, value, kind):
     cfg = tkv.load_config({"model": {"model_id": "loop-test", "bytes_per_block": 1024}, "gpu": {"num_blocks": 8},
                            "tiers": {"cpu": {"capacity": 16 * 1024}}})  # fmt: skip
     kv = {"k": torch.zeros(8, 1024, dtype=torch.uint8)}
-    runtime = CacheRuntime(cfg, tkv.KVLayout.from_tensors(kv, 8))
+    runtime = CacheThread(cfg, tkv.KVLayout.from_tensors(kv, 8))
     try:
         assert _kind(runtime.call(_running_loop())) == kind
     finally:
@@ -77,7 +77,7 @@ def test_the_vllm_connectors_loop_thread(monkeypatch, value, kind):
 
 
 def test_no_loop_is_started_outside_loops_py():
-    """replay, bench and the vLLM runtime start their loops through tiered_kv.loops, never on their own."""
+    """replay, bench and the vLLM connector start their loops through tiered_kv.loops, never on their own."""
     starts = re.compile(r"\basyncio\.(run|new_event_loop|Runner)\(|\buvloop\.(run|new_event_loop|install)\(")
     found = [f"{p.relative_to(ROOT)}:{n}" for p in sorted((ROOT / "tiered_kv").rglob("*.py")) if p.name != "loops.py"
              for n, line in enumerate(p.read_text().splitlines(), 1) if starts.search(line)]  # fmt: skip

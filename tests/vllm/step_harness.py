@@ -22,8 +22,8 @@ from types import SimpleNamespace as NS
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
-from tiered_kv.integrations.vllm.scheduler_side import SchedulerHalf
-from tiered_kv.integrations.vllm.worker_side import WorkerHalf
+from tiered_kv.integrations.vllm.scheduler_half import SchedulerHalf
+from tiered_kv.integrations.vllm.worker_half import WorkerHalf
 
 BS = 4  # tokens per block
 NB = 48  # GPU blocks

@@ -189,8 +189,7 @@ def test_a_cpu_hit_that_cannot_copy_at_once_is_asynchronous_and_never_blocks_the
 def test_a_synchronous_load_that_cannot_queue_returns_at_once_without_waiting_for_it():
     import asyncio
 
-    from tiered_kv.integrations.vllm.planning import start_sync_load
-    from tiered_kv.split.proxy import ProxyCopyEngine
+    from tiered_kv.cross_process import ProxyCopyEngine, start_sync_load
 
     async def run():
         proxy = ProxyCopyEngine(1, 8, 8)

@@ -34,7 +34,7 @@ def kv_cache_config(caches: dict[str, torch.Tensor], size: int):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_padded_allocation_gives_the_schedulers_bytes_per_block_on_every_rank(tp):
-    from tiered_kv.integrations.vllm.geometry import scheduler_bytes_per_block, worker_layout
+    from tiered_kv.integrations.vllm.block_bytes import scheduler_bytes_per_block, worker_layout
 
     for _rank in range(tp):
         caches, size = rank_tensors(kv_heads=4 // tp, pad_regions=1)  # one whole region of padding
@@ -45,7 +45,7 @@ def test_padded_allocation_gives_the_schedulers_bytes_per_block_on_every_rank(tp
 
 
 def test_rank_whose_tensors_disagree_with_the_scheduler_refuses_naming_both_numbers():
-    from tiered_kv.integrations.vllm.geometry import check_rank_bytes, worker_layout
+    from tiered_kv.integrations.vllm.block_bytes import check_rank_bytes, worker_layout
 
     caches, size = rank_tensors(kv_heads=2)
     kcc = kv_cache_config(caches, size // 2)  # the scheduler planned half of what this rank registered

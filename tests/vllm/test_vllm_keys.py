@@ -9,7 +9,7 @@ import pytest
 
 import tiered_kv as tkv
 from tiered_kv.integrations.vllm import request_block_keys, request_salt
-from tiered_kv.integrations.vllm.runtime import resolve_config
+from tiered_kv.integrations.vllm.extra_config import resolve_config
 
 BS = 32
 

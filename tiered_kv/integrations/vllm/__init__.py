@@ -10,10 +10,11 @@ Load it with::
         kv_connector_extra_config={"config": "tiered_kv.yaml"},
     )
 
-``keys``, ``geometry`` and ``runtime`` do not import vLLM; ``connector`` does.
+The connector speaks vLLM's protocol (scheduler_half.py, worker_half.py, the step metadata in meta.py)
+over the cache across processes (tiered_kv.cross_process). ``request_keys``, ``block_bytes``, ``groups``,
+``hits``, ``hints``, ``replicas`` and ``cache_calls`` import without vLLM; the halves and ``connector`` need it.
 """
 
-from .keys import request_block_keys, request_salt
-from .runtime import find_runtime
+from .request_keys import request_block_keys, request_salt
 
-__all__ = ["find_runtime", "request_block_keys", "request_salt"]
+__all__ = ["request_block_keys", "request_salt"]

@@ -2,8 +2,8 @@
 
 vLLM builds one instance in the scheduler's process (role SCHEDULER) and one in
 each worker (role WORKER); this class only dispatches to the half it is:
-scheduler_side.SchedulerHalf owns the cache's state and answers residency,
-worker_side.WorkerHalf copies its rank's shard of each job. They share a
+scheduler_half.SchedulerHalf owns the cache's state and answers residency,
+worker_half.WorkerHalf copies its rank's shard of each job. They share a
 shared-memory CPU tier and talk only through vLLM's per-step metadata
 (scheduler -> workers) and worker metadata (workers -> scheduler). README, "Use
 with vLLM", walks through a step.
@@ -58,11 +58,11 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._stats_delta = StatsDelta()
         self._sched = self._worker = None
         if role == KVConnectorRole.SCHEDULER:
-            from .scheduler_side import SchedulerHalf
+            from .scheduler_half import SchedulerHalf
 
             self._sched = SchedulerHalf(vllm_config, kv_cache_config, extra, str(ktc.engine_id))
         else:
-            from .worker_side import WorkerHalf
+            from .worker_half import WorkerHalf
 
             self._worker = WorkerHalf(vllm_config, kv_cache_config, extra, str(ktc.engine_id))
 

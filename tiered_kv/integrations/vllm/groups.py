@@ -2,7 +2,7 @@
 
 With vLLM's hybrid allocator on, a model's layers fall into KV cache groups, each with its own block
 table over one shared pool of block ids (a block id is owned by one group at a time, and every group's
-block is a page of the same size, so one CPU slot fits a block of any group; see geometry.py). tiered_kv
+block is a page of the same size, so one CPU slot fits a block of any group; see block_bytes.py). tiered_kv
 keys a block per (block, group) and, per group kind, keeps what a later hit at a block boundary
 ``B`` (tokens ``[0, B * block_size)`` computed) needs:
 

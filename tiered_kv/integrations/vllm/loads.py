@@ -1,7 +1,7 @@
 """The load side of the scheduler half: what this step's hits promised, the loads in flight, what each landed.
 
 A hit whose blocks are all in the CPU tier is a synchronous load: its job is queued before vLLM's thread
-goes on (planning.start_sync_load) and rides in this step's metadata, its promised blocks that no job
+goes on (cross_process.step_jobs.start_sync_load) and rides in this step's metadata, its promised blocks that no job
 loads are load errors in this same step. Any other hit is an asynchronous load that vLLM waits for
 (WAITING_FOR_REMOTE_KVS) until a later step reports it. A load that came up short caps what a retry of
 the request is promised (a load that keeps failing would otherwise be promised again forever).
@@ -22,11 +22,10 @@ import concurrent.futures
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
 
+from .cache_calls import CacheCalls
 from .hits import Hit
 from .meta import TieredKVMetadata
-from .planning import gather_loads, run_tagged, start_sync_load
 from .requests import new_tag
 
 log = logging.getLogger(__name__)
@@ -48,10 +47,10 @@ class _Asked:
 
 
 class LoadBook:
-    def __init__(self, block_size: int, loop: Any, counters: Counter[str], *, hybrid: bool = False) -> None:
+    def __init__(self, block_size: int, calls: CacheCalls, counters: Counter[str], *, hybrid: bool = False) -> None:
         self._bs = block_size
         self._hybrid = hybrid  # vLLM has several KV cache groups: failures go by request, never by block
-        self._loop = loop
+        self._calls = calls
         self._counters = counters
         self._asked: dict[str, _Asked] = {}
         self._loads: dict[str, _Load] = {}
@@ -82,8 +81,7 @@ class LoadBook:
         self._asked[rid] = _Asked(first, hit)
         self._sources[rid] = hit.where
 
-    def start(self, side: Any, rid: str, keys: list[list[bytes]], block_ids: list[list[int]],
-              num_external: int) -> None:  # fmt: skip
+    def start(self, rid: str, keys: list[list[bytes]], block_ids: list[list[int]], num_external: int) -> None:
         """update_state_after_alloc: start the load of what this step's answer promised.
 
         ``keys`` and ``block_ids`` per group (block ids in vLLM's table of that group)."""
@@ -96,18 +94,17 @@ class LoadBook:
             return
         ids = [block_ids[p][a:b] for p, (a, b) in enumerate(hit.ranges)]
         one = len(hit.ranges) == 1
-        loads = [side.cache.load(keys[p][a:b], ids[p]) for p, (a, b) in enumerate(hit.ranges) if b > a or one]
-        load = loads[0] if one else gather_loads(loads)
+        parts = [(keys[p][a:b], ids[p]) for p, (a, b) in enumerate(hit.ranges) if b > a or one]
         if not one:  # a group with nothing to load (all of its range computed by vLLM) landed nothing
             ids = [g for g, (a, b) in zip(ids, hit.ranges, strict=True) if b > a]
         flat = [b for group in ids for b in group]
         tag = new_tag(f"{rid}:load")
         if not hit.in_cpu:
-            future = self._loop.submit(run_tagged(tag, load))
+            future = self._calls.load_later(tag, parts, grouped=not one)
             self._loads[rid] = _Load(start, ids, future, False, hit.boundary)
             return
         try:  # one group may load a leading part; several load all or nothing (each group's range is needed)
-            future, planned = self._loop.call(start_sync_load(side.proxy, tag, load, len(flat), all_or_none=not one))
+            future, planned = self._calls.load_now(tag, parts, len(flat), grouped=not one)
         except Exception as exc:
             log.warning("tiered_kv: a synchronous load for %s could not start: %r", rid, exc)
             future, planned = None, 0

@@ -21,7 +21,7 @@ class TieredKVMetadata(KVConnectorMetadata):
     issued in ``wait_for_save``, after the target and draft forwards wrote the blocks they read.
     """
 
-    load_jobs: list[Any] = field(default_factory=list)  # split.jobs.ShardJob, in submission order
+    load_jobs: list[Any] = field(default_factory=list)  # cross_process.ShardJob, in submission order
     store_jobs: list[Any] = field(default_factory=list)
     sync_loads: list[int] = field(default_factory=list)  # job ids of load_jobs this step's forward reads
     sync_load_errors: list[int] = field(default_factory=list)  # promised blocks no job loads: recompute them

@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from ...cross_process import storage_ranks
 from ...errors import ConfigError
-from ...tiers.segment_geometry import storage_ranks
 
 
 def kv_tp_replicas(vllm_config: Any, kv_cache_config: Any, world_size: int) -> int:

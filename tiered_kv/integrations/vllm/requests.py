@@ -13,7 +13,7 @@ as a new one, and a client may reuse an id after the first finished. So:
 Keys, block ids and the store cursor are kept per KV cache group tiered_kv stores (groups.py), in the
 order of ``KVGroups.groups``. Stores of groups that keep only a window or a state (not the prefix) carry
 a tag of their own: vLLM frees those blocks while the request runs, so the scheduler fences them at the
-next step and refuses any that did not start (scheduler_side._fence_windows).
+next step and refuses any that did not start (stores.StoreBook.fence_windows).
 """
 
 from __future__ import annotations

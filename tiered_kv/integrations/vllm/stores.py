@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from ...split.jobs import STORE
+from ...cross_process import STORE
 from .groups import FULL, Group, KVGroups
 from .requests import Req, new_tag
 

@@ -1,4 +1,4 @@
-"""The scheduler side of the split: the same TieredKVCache over the shared segment and the proxy engine.
+"""The scheduler's cache: the same TieredKVCache, over the shared segment and the proxy copy engine.
 
 The cache's block is the whole TP group's block: its layout is every stored rank's storages in rank order,
 so ``bytes_per_block == storage_ranks * shard_bytes``. In the rank-major segment a slot's block is its ranks'
@@ -23,18 +23,23 @@ from ..layout import KVLayout
 from ..tiers.segment_geometry import SegmentInfo, group_layout, group_shard_id, segment_info_for
 from ..tiers.shared_cpu import SharedSegment
 from ..tiers.shared_slabs import SharedCpuSlabs
-from .proxy import ProxyCopyEngine
+from .proxy_engine import ProxyCopyEngine
 
-__all__ = ["SchedulerSide", "group_layout", "group_shard_id", "open_scheduler_cache", "segment_info_for"]
+__all__ = ["SchedulerCache", "open_scheduler_cache"]
 
 
 @dataclass
-class SchedulerSide:
-    """A started scheduler-side cache, its proxy engine and the segment workers attach to."""
+class SchedulerCache:
+    """The scheduler process's started cache: the TieredKVCache (every tier's state), the proxy engine its
+    GPU<->CPU copies go through (jobs out to the ranks, their reports back) and the segment the ranks map."""
 
     cache: TieredKVCache
     proxy: ProxyCopyEngine
-    segment_info: SegmentInfo
+    segment: SharedSegment
+
+    @property
+    def segment_info(self) -> SegmentInfo:
+        return self.segment.info
 
     @property
     def keyer(self) -> BlockKeyer:
@@ -43,7 +48,7 @@ class SchedulerSide:
     def segment_mapped_by_all(self) -> None:
         """Every process of the engine has mapped the segment (the scheduler and every rank): remove its
         name, so nothing of it outlives the engine in the directory (SharedSegment.unlink_name)."""
-        self.cache.slabs.segment.unlink_name()
+        self.segment.unlink_name()
 
     async def aclose(self) -> None:
         await self.cache.aclose()  # drains the proxy, then closes (and removes) the segment
@@ -59,7 +64,7 @@ async def open_scheduler_cache(
     report_timeout_s: float = 60.0,
     on_job: Callable[[], None] | None = None,
     **cache_kwargs: Any,
-) -> SchedulerSide:
+) -> SchedulerCache:
     """Build and start the scheduler's cache (call on its loop).
 
     ``shard_layout`` is one rank's layout as the scheduler sees it (from vLLM's kv_cache_config: logical
@@ -70,22 +75,27 @@ async def open_scheduler_cache(
     cfg = load_config(config)
     layout = group_layout(shard_layout, world_size, kv_replicas)
     info = segment_info_for(cfg, shard_layout, world_size=world_size, engine_id=engine_id, kv_replicas=kv_replicas)
+    made: dict[str, Any] = {}  # what the cache's factories built: the segment and the proxy
 
     def slabs(layout: KVLayout, rows: int) -> SharedCpuSlabs:
         if rows != info.num_slots:  # the cache and segment_info_for size the slab with one function
             raise LayoutError(f"the cache wants {rows} CPU rows but the segment was sized for {info.num_slots}")
         seg = SharedSegment.open(info, scheduler=True)
         try:
+            made["segment"] = seg
             return SharedCpuSlabs(seg, layout.region_block_bytes)
         except BaseException:
             seg.close()
             raise
 
     def engine(slabs: SharedCpuSlabs) -> ProxyCopyEngine:
-        return ProxyCopyEngine(world_size, layout.num_blocks, slabs.num_slots, bytes_per_block=layout.bytes_per_block,
-                               report_timeout_s=report_timeout_s, on_job=on_job)  # fmt: skip
+        bpb = layout.bytes_per_block
+        proxy = ProxyCopyEngine(world_size, layout.num_blocks, slabs.num_slots, bytes_per_block=bpb,
+                                report_timeout_s=report_timeout_s, on_job=on_job)  # fmt: skip
+        made["proxy"] = proxy
+        return proxy
 
     cache = TieredKVCache(cfg, layout, shard_id=group_shard_id(world_size, kv_replicas), slabs_factory=slabs,
                           engine_factory=engine, **cache_kwargs)  # fmt: skip
     await cache.start()
-    return SchedulerSide(cache, cache._engine, cache.slabs.segment.info)
+    return SchedulerCache(cache, made["proxy"], made["segment"])

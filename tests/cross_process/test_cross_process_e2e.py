@@ -1,4 +1,4 @@
-"""The split without vLLM: a scheduler-side cache on the proxy engine and two real worker processes.
+"""The cache across processes without vLLM: a scheduler-side cache on the proxy engine and two real worker processes.
 
 Each worker holds real KV tensors and copies only its shard of each slot of the shared segment; the
 test's pump plays the connector (jobs out each "step", completions back through ``report`` from a
@@ -14,12 +14,11 @@ import threading
 
 import numpy as np
 import pytest
-from split_helpers import SHARD, WORLD, config, shard_layout
-from split_worker_proc import pattern, run
+from copier_proc import pattern, run
+from scheduler_helpers import SHARD, WORLD, config, shard_layout
 
+from tiered_kv.cross_process import open_scheduler_cache, request_scope
 from tiered_kv.errors import TransferError
-from tiered_kv.split import request_scope
-from tiered_kv.split.scheduler import open_scheduler_cache
 
 ENGINE = "e2e"
 

@@ -1,4 +1,4 @@
-"""One TP rank's worker for the split tests: real KV tensors, a ShardCopier, commands over a pipe.
+"""One TP rank's worker for the cross-process tests: real KV tensors, a ShardCopier, commands over a pipe.
 
 Run with multiprocessing (spawn): ``run(conn, cfg, rank, world, engine_id)``. It opens the engine's
 segment from its own numbers (as a vLLM worker does in register_kv_caches, before the scheduler exists),
@@ -23,8 +23,7 @@ def run(conn, cfg: dict, rank: int, world: int, engine_id: str) -> None:
     import torch
 
     import tiered_kv as tkv
-    from tiered_kv.split.worker import ShardCopier
-    from tiered_kv.tiers.segment_geometry import segment_info_for
+    from tiered_kv.cross_process import ShardCopier, segment_info_for
 
     kv = {"k": torch.zeros(NUM_BLOCKS, REGIONS[0], dtype=torch.uint8),
           "v": torch.zeros(NUM_BLOCKS, REGIONS[1], dtype=torch.uint8)}  # fmt: skip

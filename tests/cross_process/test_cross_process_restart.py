@@ -13,10 +13,10 @@ from pathlib import Path
 import legacy_disk_writer as legacy
 import numpy as np
 import pytest
-from split_helpers import SHARD, WORLD, play_ranks, scheduler
+from scheduler_helpers import SHARD, WORLD, play_ranks, scheduler
 
 import tiered_kv as tkv
-from tiered_kv.split.scheduler import open_scheduler_cache
+from tiered_kv.cross_process import open_scheduler_cache
 
 HERE = Path(__file__).parent
 

@@ -13,13 +13,11 @@ import json
 import numpy as np
 import pytest
 import torch
-from split_helpers import REGIONS, SHARD, shard_layout
+from scheduler_helpers import REGIONS, SHARD, shard_layout
 
 import tiered_kv as tkv
+from tiered_kv.cross_process import LOAD, STORE, ShardCopier, ShardJob, open_scheduler_cache
 from tiered_kv.errors import ConfigError, LayoutError
-from tiered_kv.split import LOAD, STORE, ShardJob
-from tiered_kv.split.scheduler import open_scheduler_cache
-from tiered_kv.split.worker import ShardCopier
 from tiered_kv.tiers.segment_geometry import (
     PAGE,
     SegmentInfo,

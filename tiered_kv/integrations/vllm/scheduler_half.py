@@ -1,12 +1,14 @@
-"""The connector's scheduler half: the cache's whole state, its residency answer, the per-step jobs.
+"""The connector's scheduler half: vLLM's requests and steps over the cache's whole state.
 
-The TieredKVCache (manager, disk, remote) runs on a loop thread owned here; its CPU tier is the shared
-segment and its GPU<->CPU copies are queued by the proxy engine as jobs that ``build_meta`` hands to the
-workers. Each step keeps vLLM's protocol (README, "Use with vLLM", the step protocol):
+The cache (cross_process.SchedulerCache: manager, disk, remote; its CPU tier is the shared segment) is
+reached through cache_calls.CacheCalls, which runs it on a loop thread; its GPU<->CPU copies are queued
+by the proxy engine as jobs that ``build_meta`` hands to the workers. Each step keeps vLLM's protocol
+(README, "Use with vLLM", the step protocol):
 
 - a hit whose blocks are all in the CPU tier is served in the step it is found: ``matched_tokens``
   answers it as a synchronous load, ``after_alloc`` pins the slots and queues the job before vLLM's
-  thread goes on (planning.start_sync_load), and the workers copy it before this step's forward;
+  thread goes on (cross_process.step_jobs.start_sync_load), and the workers copy it before this step's
+  forward;
 - any other hit (disk, Redis, blocks another request is still storing) is an asynchronous load: the
   request waits (WAITING_FOR_REMOTE_KVS) until every rank landed it;
 - stores are planned for the blocks this step's forward computes and issued by the workers in
@@ -17,34 +19,25 @@ workers. Each step keeps vLLM's protocol (README, "Use with vLLM", the step prot
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 from collections import Counter
 from typing import Any
 
+from ...cross_process import STORE
 from ...errors import ConfigError
 from ...layout import KVLayout
-from ...split.jobs import STORE
-from ...split.scheduler import open_scheduler_cache
+from .block_bytes import check_rank_bytes, group_bytes_per_block, scheduler_bytes_per_block
+from .cache_calls import CacheCalls, Store, close_before_executors_exit
 from .events import HashBook, to_vllm_events
-from .geometry import check_rank_bytes, group_bytes_per_block, scheduler_bytes_per_block
+from .extra_config import resolve_config
 from .groups import KVGroups
 from .hints import NO_HINTS, RequestHints, hints_of
-from .hits import find_hit, touch_hit
-from .keys import group_block_keys, request_block_keys, salt_of, uses_prompt_embeds
 from .loads import LoadBook
 from .meta import TieredKVHandshake, TieredKVMetadata
-from .planning import start_stores
 from .replicas import check_rank_replicas, kv_tp_replicas
+from .request_keys import group_block_keys, request_block_keys, salt_of, uses_prompt_embeds
 from .requests import KeyCache, Req, new_tag, vllm_cache_is_empty
-from .runtime import (
-    LoopThread,
-    close_before_executors_exit,
-    publish_runtime,
-    resolve_config,
-    unpublish_runtime,
-)
 from .stats import StatsFile
 from .stores import StoreBook
 
@@ -75,9 +68,8 @@ class SchedulerHalf:
         self._events_on = bool(events is not None and getattr(events, "enable_kv_cache_events", False))
         self._extra = extra
         self._engine_id = engine_id
-        self._loop = LoopThread("tiered-kv-scheduler")
-        self._side: Any = None  # split.scheduler.SchedulerSide, once the workers' handshake arrived
         self.counters: Counter[str] = Counter()
+        self._calls = CacheCalls(self.counters)  # the cache, opened once the workers' handshake arrived
         self._store_book = StoreBook(self._groups, self._bs, self.counters)
         self._stats_file = StatsFile(extra.get("stats_file"))
         self._reqs: dict[str, Req] = {}
@@ -85,12 +77,11 @@ class SchedulerHalf:
         self._no_store: set[str] = set()  # requests whose KV no key can name (prompt embeddings)
         self._keys = KeyCache(self._compute_keys)
         self._hints: dict[str, RequestHints] = {}
-        self._loads = LoadBook(self._bs, self._loop, self.counters, hybrid=self._groups.hybrid)
+        self._loads = LoadBook(self._bs, self._calls, self.counters, hybrid=self._groups.hybrid)
         self._vllm_hashes: dict[str, Any] = {}  # req -> request.block_hashes (vLLM's live list)
         self._book = HashBook(cap=1 << 20)  # our key -> vLLM hash, for the router's KV events
         self._vllm_cache: Any = None  # vLLM's KVCacheManager (bind_kv_cache_manager), for reset
         self._closed = False
-        publish_runtime(engine_id, self)
         close_before_executors_exit(self.close)
 
     # -- start: the workers' handshake carries each rank's layout -----------------------------
@@ -105,24 +96,18 @@ class SchedulerHalf:
         mc = self._vllm_config.model_config
         cfg = resolve_config(self._extra["config"], str(mc.model), getattr(mc, "revision", None),
                              self._rank_bytes * self._stored_ranks)  # fmt: skip
-        self._side = self._loop.call(open_scheduler_cache(cfg, shard_layout, world_size=self._world,
-                                                          engine_id=self._engine_id,
-                                                          kv_replicas=self._replicas))  # fmt: skip
+        opened = self._calls.open(cfg, shard_layout, world_size=self._world, engine_id=self._engine_id,
+                                  kv_replicas=self._replicas)  # fmt: skip
         # Every rank attached the segment before its handshake got here: its name can go (issue 25 item 8).
-        self._side.segment_mapped_by_all()
-        log.info("tiered_kv: scheduler cache over %s, %d ranks x %d bytes per block, %s", self._side.segment_info.path,
-                 self._world, self._rank_bytes, self._stats()["cpu"])  # fmt: skip
+        opened.segment_mapped_by_all()
+        log.info("tiered_kv: scheduler cache over %s, %d ranks x %d bytes per block, %s", opened.segment_info.path,
+                 self._world, self._rank_bytes, self._calls.stats()["cpu"])  # fmt: skip
         if self._stored_ranks != self._world:
             log.info("tiered_kv: %d consecutive TP ranks hold the same KV (kv_tp_replicas): %d copy(ies) per "
                      "block in every tier, written by the first rank of each", self._replicas, self._stored_ranks)  # fmt: skip
         if self._groups.hybrid:
             log.info("tiered_kv: %d KV cache groups, stored per (block, group): %s", self._groups.num_groups,
                      self._groups.describe())  # fmt: skip
-
-    def _ready(self) -> Any:
-        if self._side is None:
-            raise ConfigError("tiered_kv: no handshake from the workers reached the scheduler (unsupported executor?)")
-        return self._side
 
     # -- residency ------------------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
@@ -137,7 +122,7 @@ class SchedulerHalf:
             self._hints[rid] = hints
 
     def _compute_keys(self, rid: str, prompt: list[int]) -> list[list[bytes]]:
-        keyer = self._ready().keyer
+        keyer = self._calls.opened.keyer
         base = request_block_keys(keyer, prompt, self._bs, self._salts.get(rid, ()))
         return [group_block_keys(keyer, base, g.salt) for g in self._groups.groups]
 
@@ -156,22 +141,9 @@ class SchedulerHalf:
         max_blocks = self._loads.cap(rid, max_blocks)
         if max_blocks * self._bs <= num_computed:
             return 0, False
-        side = self._ready()
         keys = self._keys.get(rid, prompt)
-        hints = self._hints.get(rid, NO_HINTS)
         first = num_computed // self._bs
-
-        async def run() -> Any:
-            hit = find_hit(side.cache, self._groups, keys, first, max_blocks, self._bs)
-            if hit is not None:
-                touch_hit(side.cache, self._groups, keys, hit, hints.session, hints.expect_followup)
-            return hit
-
-        try:
-            hit = self._loop.call(run())
-        except Exception as exc:
-            log.warning("tiered_kv: lookup for %s failed, treating it as a miss: %r", rid, exc)
-            return 0, False
+        hit = self._calls.find_hit(rid, self._groups, keys, first, max_blocks, self._bs, self._hints.get(rid, NO_HINTS))
         n = 0 if hit is None else hit.boundary * self._bs - num_computed
         if n <= 0:
             return 0, False
@@ -183,14 +155,12 @@ class SchedulerHalf:
     def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
         keys = self._keys.get(request.request_id, list(request.prompt_token_ids or []))
         ids = blocks.get_block_ids()
-        self._loads.start(self._ready(), request.request_id, keys, [list(ids[g.index]) for g in self._groups.groups],
-                          num_external)  # fmt: skip
+        self._loads.start(request.request_id, keys, [list(ids[g.index]) for g in self._groups.groups], num_external)
 
     # -- each step ------------------------------------------------------------------------------
     def build_meta(self, so: Any) -> TieredKVMetadata:
         meta = TieredKVMetadata()
-        side = self._side
-        if side is None:
+        if not self._calls.is_open:
             return meta
         for rid in so.preempted_req_ids or ():
             req = self._reqs.get(rid)
@@ -199,7 +169,8 @@ class SchedulerHalf:
             self.counters["preemptions"] += 1
             self.counters["fenced_preemptions"] += in_flight  # its stores were cancelled or fenced
         self._loads.finish(meta)
-        meta.fence += self._store_book.fence_windows(side.proxy)
+        proxy = self._calls.proxy
+        meta.fence += self._store_book.fence_windows(proxy)
         stores: list[tuple[Req, Any]] = []
         for new in so.scheduled_new_reqs:
             req = self._admit(new)
@@ -218,7 +189,7 @@ class SchedulerHalf:
             stores.append((req, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0)))
         self._queue_stores([(r, self._rid_of(r), done) for r, done in stores])
         self._store_book.release_held(meta)
-        for job in side.proxy.take_jobs():
+        for job in proxy.take_jobs():
             (meta.store_jobs if job.direction == STORE else meta.load_jobs).append(job)
         self._loads.close_step(meta)
         self._maybe_write_stats()
@@ -246,13 +217,12 @@ class SchedulerHalf:
 
     def _fence(self, rid: str) -> list[int]:
         req = self._reqs.get(rid)
-        return [] if req is None else self._store_book.fence(self._side.proxy, req, rid)
+        return [] if req is None else self._store_book.fence(self._calls.proxy, req, rid)
 
     def _queue_stores(self, todo: list[tuple[Req, str, int]]) -> None:
         """Plan stores of the prompt blocks each request's forward computes in this step; their jobs
         ride in this step's metadata and the workers issue them in wait_for_save, after the forward."""
-        side = self._side
-        batch = []
+        batch: list[tuple[Req, Store]] = []
         for req, rid, done_tokens in todo:
             if rid in self._no_store:
                 continue
@@ -261,29 +231,24 @@ class SchedulerHalf:
                 hashes = self._vllm_hashes.get(rid)
                 if st.full and hashes is not None and len(hashes) >= st.first + len(st.keys):
                     self._book.remember(st.keys, hashes[st.first : st.first + len(st.keys)])
-                batch.append((req, st.tag, self._store(side.cache, st.keys, st.block_ids, st.prefix, hints)))
+                batch.append((req, (st.tag, st.keys, st.block_ids, st.prefix, hints)))
         if not batch:
             return
         try:
-            futures = self._loop.call(start_stores(side.proxy, [(tag, coro) for _, tag, coro in batch]))
+            futures = self._calls.start_stores([store for _, store in batch])
         except Exception as exc:  # a lost store is a future miss, never an engine failure
             log.warning("tiered_kv: stores could not start: %r", exc)
             return
-        for (req, _, _), future in zip(batch, futures, strict=True):
+        for (req, _), future in zip(batch, futures, strict=True):
             future.add_done_callback(_log_store_failure)
             req.pending_stores().append(future)
 
-    async def _store(self, cache: Any, keys: list[bytes], ids: list[int], prefix: list[bytes],
-                     hints: RequestHints) -> None:  # fmt: skip
-        res = await cache.store(keys, ids, prefix=prefix, session=hints.session, expect_followup=hints.expect_followup)
-        self.counters["stored_blocks"] += getattr(res, "stored", 0)
-
     def update_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if self._side is None or meta is None:
+        if not self._calls.is_open or meta is None:
             return
         for rank, (ok, failed) in getattr(meta, "reports", {}).items():
-            self._side.proxy.report(rank, ok, failed)
+            self._calls.proxy.report(rank, ok, failed)
 
     def has_pending_block_frees(self) -> bool:
         """Finished requests whose blocks wait for their stores: vLLM waits for them instead of preempting."""
@@ -293,7 +258,7 @@ class SchedulerHalf:
         return self._loads.hit_sources(rid, num_external)
 
     def has_jobs_in_flight(self) -> bool:
-        return self._side is not None and self._side.proxy.inflight > 0
+        return self._calls.is_open and self._calls.proxy.inflight > 0
 
     def request_finished(self, request: Any) -> bool:
         """True: vLLM keeps the request's blocks until a later step reports its stores resolved (a
@@ -310,38 +275,27 @@ class SchedulerHalf:
         req = self._reqs.pop(rid, None)
         stores = req.pending_stores() if req is not None else []
         hints = self._hints.pop(rid, NO_HINTS)
-        if hints.end_session and self._side is not None:
-            self._release_session(hints.session, list(stores))
+        if hints.end_session and self._calls.is_open:
+            # After the request's own stores resolved, its chain is the first to evict. The release may
+            # come after the engine's last step, and vLLM may kill the EngineCore before close: the
+            # counters are written then, off the loop (the report reads stats on it).
+            self._calls.release_after(hints.session, list(stores), self._maybe_write_stats)
         if waits_for_load or not stores:
             return False
         return self._store_book.hold(rid, stores)
-
-    def _release_session(self, session: str | int, stores: list[concurrent.futures.Future]) -> None:
-        """The session ended: after the request's own stores resolved, its chain is the first to evict."""
-        cache = self._side.cache
-
-        async def release() -> None:
-            if stores:  # a failed store is no reason to keep the session
-                await asyncio.wait([asyncio.wrap_future(f) for f in stores])
-            self.counters["released_blocks"] += len(cache.release(session))
-            # The release may come after the engine's last step, and vLLM may kill the EngineCore
-            # before close: write the counters now, off the loop (the report reads stats on it).
-            await asyncio.get_running_loop().run_in_executor(None, self._maybe_write_stats)
-
-        self._loop.submit(release())
 
     def reset(self) -> bool:
         """vLLM's reset_prefix_cache(reset_connector=True), e.g. after a weight update: every tier forgets
         every block (disk records invalidated for good, the Redis namespace emptied). False, changing
         nothing, while a load or store is in flight (vLLM reports the reset as failed; try again)."""
-        if self._side is None:
+        if not self._calls.is_open:
             return True
         if self._vllm_cache is not None and not vllm_cache_is_empty(self._vllm_cache):
             return False  # vLLM's own reset failed (blocks in use): reset only what vLLM reset
         busy = self._loads.busy or self._store_book.holding or any(r.pending_stores() for r in self._reqs.values())
-        if busy or self._side.proxy.inflight:
+        if busy or self._calls.proxy.inflight:
             return False
-        ok = bool(self._loop.call(self._side.cache.reset()))
+        ok = self._calls.reset()
         if ok:
             self.counters["resets"] += 1
             self._maybe_write_stats()
@@ -352,51 +306,31 @@ class SchedulerHalf:
 
     def take_events(self) -> list[Any]:
         """The tiers' stored/removed blocks since the last call, as vLLM KV events in vLLM's block hashes."""
-        if self._side is None or not self._events_on:
+        if not self._calls.is_open or not self._events_on:
             return []  # vLLM asks every step; with KV events off there is nothing to wait on the loop for
-        cache = self._side.cache
-
-        async def run() -> list[tuple[str, str, list[bytes]]]:
-            return cache.take_events()
-
-        records = self._book.translate(self._loop.call(run()))
+        records = self._book.translate(self._calls.take_events())
         for stored, medium, hashes in records:  # counted, so stats_file shows what a router was told
             self.counters[f"event_{'stored' if stored else 'removed'}_{medium.lower()}_blocks"] += len(hashes)
         events = to_vllm_events(records, self._bs)
         return events
 
     # -- stats and shutdown ---------------------------------------------------------------------
-    def _stats(self) -> dict[str, Any]:
-        async def run() -> dict[str, Any]:
-            return self._side.cache.stats()
-
-        return self._loop.call(run()) if self._side is not None else {}
-
     def report(self) -> dict[str, Any]:
         groups = [{"group": g.index, "kind": g.kind, "window": g.window, "bytes_per_block": self._group_bytes[g.index]}
                   for g in self._groups.groups]  # fmt: skip
-        return {"counters": dict(self.counters), "stats": self._stats(), "groups": groups,
+        return {"counters": dict(self.counters), "stats": self._calls.stats(), "groups": groups,
                 "kv_cache_groups": self._groups.num_groups, "stored_ranks": self._stored_ranks}  # fmt: skip
 
     def _maybe_write_stats(self, force: bool = False) -> None:
-        if self._side is not None and (force or not self._closed):
+        if self._calls.is_open and (force or not self._closed):
             self._stats_file.write(self.counters, self.report, force)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        unpublish_runtime(self._engine_id, self)
         self._maybe_write_stats(force=True)
-        try:
-            if self._side is not None:
-                # vLLM stops its workers before the scheduler: no rank will report the jobs in flight.
-                self._side.proxy.abandon("the engine is shutting down")
-                self._loop.call(self._side.aclose())
-        except Exception:  # closing must never take the engine down with it
-            log.exception("tiered_kv: closing the scheduler cache failed")
-        finally:
-            self._loop.stop()
+        self._calls.close("the engine is shutting down")
 
 
 def _log_store_failure(future: concurrent.futures.Future) -> None:

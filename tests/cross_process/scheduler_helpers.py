@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import tiered_kv as tkv
-from tiered_kv.split.scheduler import open_scheduler_cache
+from tiered_kv.cross_process import open_scheduler_cache
 
 WORLD = 2
 REGIONS = (768, 256)  # one rank's regions: its shard of a block is 1 KiB

@@ -1,12 +1,12 @@
-"""Plan a step's jobs synchronously: every job a step creates rides in that step's metadata.
+"""Start a step's cache calls so that every job they create rides in that step's metadata.
 
-The cache's ``load``/``store`` run as tasks on the scheduler half's loop. Started and left alone, a
-task queues its copy job on the proxy engine whenever the loop gets to it, racing vLLM's thread that
-takes the step's jobs. These helpers (run on the loop, inside one ``LoopThread.call``) start the tasks
-and turn the loop until each has queued its job, finished, or is waiting for something that takes
-longer than a step (room held by copies in flight, a key another call is storing): those ride in a
-later step, which is still correct for a store (its blocks are held until it resolves) and is never
-done for a synchronous load (see ``start_sync_load``).
+The cache's ``load``/``store`` run as tasks on the scheduler's loop. Started and left alone, a task
+queues its copy job on the proxy engine whenever the loop gets to it, racing the engine's thread that
+takes the step's jobs (``ProxyCopyEngine.take_jobs``). These helpers (run on the loop, inside one
+``loops.LoopThread.call``) start the tasks and turn the loop until each has queued its job, finished,
+or is waiting for something that takes longer than a step (room held by copies in flight, a key
+another call is storing): those ride in a later step, which is still correct for a store (its blocks
+are held until it resolves) and is never done for a synchronous load (see ``start_sync_load``).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from ...split.proxy import ProxyCopyEngine, request_scope
+from .proxy_engine import ProxyCopyEngine, request_scope
 
 SPIN_LIMIT = 200  # loop turns a plan may take (a store is queued after a few)
-SPIN_BUDGET_S = 0.005  # and wall time: vLLM's thread waits for this call
+SPIN_BUDGET_S = 0.005  # and wall time: the engine's thread waits for this call
 
 
 def _as_future(task: asyncio.Task) -> concurrent.futures.Future:
-    """A thread-safe view of a loop task's outcome (read from vLLM's thread)."""
+    """A thread-safe view of a loop task's outcome (read from the engine's thread)."""
     out: concurrent.futures.Future = concurrent.futures.Future()
 
     def settle(t: asyncio.Task) -> None:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
-from split_helpers import REGIONS, SHARD, shard_layout
+from scheduler_helpers import REGIONS, SHARD, shard_layout
 
 import tiered_kv as tkv
+from tiered_kv.cross_process import ShardCopier
 from tiered_kv.errors import ConfigError
-from tiered_kv.split.worker import ShardCopier
 from tiered_kv.tiers.segment_geometry import PAGE, segment_config, segment_info_for
 
 

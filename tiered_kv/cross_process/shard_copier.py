@@ -36,9 +36,10 @@ from ..tiers.fs_kind import check_pinnable
 from ..tiers.pinning import HostRegistration, pin_chunks, warn_if_memlock_low
 from ..tiers.segment_geometry import SegmentInfo, storage_ranks
 from ..tiers.shared_cpu import SharedSegment
-from ..transfer.base import CopyEngine, compute_event
+from ..transfer import CopyEngine, CUDAStreamEngine
+from ..transfer.base import compute_event
 from ..transfer.numpy_rows import NumpyRowEngine
-from .jobs import STORE, ShardJob
+from .shard_jobs import STORE, ShardJob
 
 log = logging.getLogger(__name__)
 
@@ -128,13 +129,10 @@ class ShardCopier:
             raise
         self.segment = seg
 
-    attach = open
 
     async def _build(self, gpu: list, cpu: list, seg: SharedSegment) -> CopyEngine:
         if self.kind == "host":
             return NumpyRowEngine(gpu, cpu)
-        from ..transfer.cuda import CUDAStreamEngine
-
         self._pinned, dma_rows = _pin(seg, self.rank, self.layout.device, self.pin_chunk)
         return CUDAStreamEngine(gpu, cpu, dma_rows=dma_rows)
 
@@ -149,7 +147,7 @@ class ShardCopier:
         if not jobs:
             return
         if self._engine is None or self._closed:
-            raise TransferError(f"rank {self.rank}: submit before attach() or after close()")
+            raise TransferError(f"rank {self.rank}: submit before open() or after close()")
         # CUDA: the event is recorded here, in the caller's (model runner's) thread on its current stream;
         # the copy stream waits for it, so a store reads what the forward pass wrote.
         ready = _compute_event(self.layout.device) if self.kind == "cuda" else None

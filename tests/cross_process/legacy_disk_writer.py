@@ -1,9 +1,9 @@
 """Writes a TP=2 group's blocks to a disk tier through the scheduler's cache (write-through), then stops.
 
-Runs against any tiered_kv with the split (today's rank-major segment or the interleaved rows before it):
-it only uses ``slabs.slab_np``'s slot axis. ``tests/split/data/interleaved_tp2_disk.tar`` was made with it
-under the interleaved layout (PYTHONPATH=<that checkout> python legacy_disk_writer.py OUT_DIR), so
-test_split_restart can check that a disk tier written then reads back now.
+Runs against any tiered_kv with the scheduler/worker split (today's rank-major segment or the interleaved rows
+before it): it only uses ``slabs.slab_np``'s slot axis. ``tests/cross_process/data/interleaved_tp2_disk.tar`` was
+made with it under the interleaved layout (PYTHONPATH=<that checkout> python legacy_disk_writer.py OUT_DIR), so
+test_cross_process_restart can check that a disk tier written then reads back now.
 usage: legacy_disk_writer.py OUT_DIR
 """
 
@@ -32,7 +32,10 @@ def rows() -> np.ndarray:
 
 async def main(out: Path) -> None:
     import tiered_kv as tkv
-    from tiered_kv.split.scheduler import open_scheduler_cache
+    try:
+        from tiered_kv.cross_process import open_scheduler_cache
+    except ImportError:  # a checkout from before tiered_kv.cross_process (then tiered_kv.split)
+        from tiered_kv.split.scheduler import open_scheduler_cache
 
     (out / "shm").mkdir(mode=0o700, parents=True, exist_ok=True)
     jobs = asyncio.Event()

@@ -23,10 +23,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from ...cross_process import ShardCopier, segment_config, segment_info_for, storage_ranks
 from ...errors import TransferError
-from ...split.worker import ShardCopier
-from ...tiers.segment_geometry import segment_config, segment_info_for, storage_ranks
-from .geometry import worker_layout
+from .block_bytes import worker_layout
 from .meta import TieredKVHandshake, TieredKVMetadata, TieredKVWorkerMeta
 from .replicas import kv_tp_replicas
 

@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import TransferError
-from ..transfer.base import CopyHandle, Direction, check_id_arrays
-from .jobs import LOAD, STORE, ShardJob
+from ..transfer import CopyHandle, Direction
+from ..transfer.base import check_id_arrays
+from .shard_jobs import LOAD, STORE, ShardJob
 
 log = logging.getLogger(__name__)
 CANCELLED_TAGS = 1 << 16  # cancelled request tags remembered (oldest forgotten first)

@@ -1,9 +1,10 @@
-"""CacheRuntime.call on a timeout: the call is cancelled, and it returns only after its copies landed.
+"""LoopThread.call on a timeout: the call is cancelled, and it returns only after its copies landed.
 
-Runs without vLLM (the runtime does not import it). The copy engine is a real
-HostCopyEngine whose worker thread sleeps before each batch, so a call can time out
-while its copy is still queued; the cache's contract must then hold across threads:
-vLLM reuses its blocks the moment ``call`` returns, so no copy may touch them after.
+The connector's scheduler half calls its cache from vLLM's thread through a LoopThread (tiered_kv.loops);
+this runs without vLLM, a TieredKVCache on such a thread. The copy engine is a real HostCopyEngine
+whose worker thread sleeps before each batch, so a call can time out while its copy is still queued;
+the cache's contract must then hold across threads: vLLM reuses its blocks the moment ``call``
+returns, so no copy may touch them after.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ import time
 
 import pytest
 import torch
+from loop_cache import CacheThread
 
 import tiered_kv as tkv
 import tiered_kv.cache
-from tiered_kv.integrations.vllm.runtime import CacheRuntime
 from tiered_kv.transfer import HostCopyEngine
 
 NUM_BLOCKS, WIDTH = 16, 2048
@@ -65,7 +66,7 @@ def runtime(monkeypatch):
         "gpu": {"num_blocks": NUM_BLOCKS},
         "tiers": {"cpu": {"capacity": 32 * 2 * WIDTH, "pin_memory": "off"}, "disk": {"enabled": False}},
     }
-    rt = CacheRuntime(tkv.load_config(cfg), layout)
+    rt = CacheThread(cfg, layout)
     yield rt, kv, engines[0]
     rt.close()
 
@@ -75,7 +76,7 @@ def test_a_timed_out_load_returns_only_after_its_copies_and_never_writes_later(r
     keys = rt.keyer.keys_for_block_ids(range(4))
     for t in kv.values():
         t[:4] = torch.arange(4, dtype=torch.uint8)[:, None] + 1
-    assert rt.store(keys, [0, 1, 2, 3]).stored == 4
+    assert rt.call(rt.cache.store(keys, [0, 1, 2, 3])).stored == 4
     for t in kv.values():
         t.zero_()
     engine.delay, before = 1.0, engine.submitted

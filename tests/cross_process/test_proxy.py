@@ -1,6 +1,6 @@
 """The scheduler side without workers: job ids, completion counting across ranks, timeouts, cancel.
 
-The test plays the workers' part by calling ``report``; test_split_e2e.py runs real worker processes.
+The test plays the workers' part by calling ``report``; test_cross_process_e2e.py runs real worker processes.
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import asyncio
 
 import numpy as np
 import pytest
-from split_helpers import SHARD, WORLD, next_jobs, scheduler
+from scheduler_helpers import SHARD, WORLD, next_jobs, scheduler
 
+from tiered_kv.cross_process import LOAD, STORE, ProxyCopyEngine, request_scope
 from tiered_kv.errors import TransferError
-from tiered_kv.split import LOAD, STORE, ProxyCopyEngine, request_scope
 
 
 async def test_a_job_resolves_only_when_every_rank_reported():

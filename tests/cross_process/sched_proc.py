@@ -6,7 +6,7 @@ import asyncio
 import sys
 
 import numpy as np
-from split_helpers import SHARD, WORLD, play_ranks, scheduler
+from scheduler_helpers import SHARD, WORLD, play_ranks, scheduler
 
 
 async def main(tmp_path: str) -> None:

@@ -1,4 +1,4 @@
-"""A copy job as the scheduler sends it to every TP rank (in vLLM's per-step connector metadata)."""
+"""A copy job as the scheduler sends it to every TP rank (in the step's metadata: vLLM's connector metadata)."""
 
 from __future__ import annotations
 

@@ -5,13 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from split_helpers import REGIONS, WORLD, config
+from scheduler_helpers import REGIONS, WORLD, config
 
 import tiered_kv as tkv
+from tiered_kv.cross_process import LOAD, STORE, ShardCopier, ShardJob, segment_info_for
 from tiered_kv.errors import LayoutError, TransferError
-from tiered_kv.split import LOAD, STORE, ShardJob
-from tiered_kv.split.worker import ShardCopier
-from tiered_kv.tiers.segment_geometry import segment_info_for
 
 
 def rank_kv(num_blocks: int = 64, seed: int = 0):
