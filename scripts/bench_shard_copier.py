@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A vLLM-free TP bench of the split's copies: every rank's ShardCopier, and the scheduler's disk I/O of whole blocks.
+"""A vLLM-free TP bench of the cross-process copies: every rank's ShardCopier, and the scheduler's disk I/O of whole blocks.
 
 * copies: ``--world`` ranks (threads of this process, each with its own ShardCopier and KV tensors; on
   CUDA rank r uses GPU r % device_count) store a batch of scattered GPU blocks into a run of CPU slots and
@@ -50,7 +50,13 @@ def config(shm: str, world: int, shard: int, slots: int) -> dict:
 
 def bench_copies(a: argparse.Namespace, shm: str) -> dict:
     import tiered_kv as tkv
-    from tiered_kv.cross_process import LOAD, STORE, ShardCopier, ShardJob, segment_info_for
+
+    try:
+        from tiered_kv.cross_process import LOAD, STORE, ShardCopier, ShardJob, segment_info_for
+    except ImportError:  # a checkout from before tiered_kv.cross_process (then tiered_kv.split)
+        from tiered_kv.split import LOAD, STORE, ShardJob
+        from tiered_kv.split.scheduler import segment_info_for
+        from tiered_kv.split.worker import ShardCopier
 
     shard, n = a.shard_kib * 1024, a.blocks
     widths = (shard * 3 // 4, shard - shard * 3 // 4)  # a K and a V region
@@ -104,7 +110,11 @@ def bench_copies(a: argparse.Namespace, shm: str) -> dict:
 
 def bench_disk(a: argparse.Namespace, shm: str, root: str) -> dict:
     import tiered_kv as tkv
-    from tiered_kv.cross_process import group_layout, segment_info_for
+
+    try:
+        from tiered_kv.cross_process import group_layout, segment_info_for
+    except ImportError:  # a checkout from before tiered_kv.cross_process (then tiered_kv.split)
+        from tiered_kv.split.scheduler import group_layout, segment_info_for
     from tiered_kv.tiers.disk import DiskNamespace, DiskStore
     from tiered_kv.tiers.shared_cpu import SharedSegment
     from tiered_kv.tiers.shared_slabs import SharedCpuSlabs

@@ -1,8 +1,8 @@
 """The load side of the scheduler half: what this step's hits promised, the loads in flight, what each landed.
 
 A hit whose blocks are all in the CPU tier is a synchronous load: its job is queued before vLLM's thread
-goes on (cross_process.step_jobs.start_sync_load) and rides in this step's metadata, its promised blocks that no job
-loads are load errors in this same step. Any other hit is an asynchronous load that vLLM waits for
+goes on (CacheCalls.load_now: cross_process.step_jobs.start_sync_load) and rides in this step's metadata,
+its promised blocks that no job loads are load errors in this same step. Any other hit is an asynchronous load that vLLM waits for
 (WAITING_FOR_REMOTE_KVS) until a later step reports it. A load that came up short caps what a retry of
 the request is promised (a load that keeps failing would otherwise be promised again forever).
 

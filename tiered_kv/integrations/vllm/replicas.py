@@ -12,9 +12,9 @@ A vLLM without the attribute (older releases) is read the way its own offloading
 across the whole TP group when every layer's spec is an ``MLAAttentionSpec`` (or, with no specs to read,
 when ``model_config.use_mla``), not replicated otherwise.
 
-The number feeds tiers/segment_geometry.py (``kv_replicas``): the scheduler and each worker compute it
-from their own copy of ``kv_cache_config``, the segment header records it, and the scheduler checks each
-rank's handshake against its own.
+The number feeds the segment's geometry (``kv_replicas`` of cross_process.SegmentInfo): the scheduler and
+each worker compute it from their own copy of ``kv_cache_config``, the segment header records it, and the
+scheduler checks each rank's handshake against its own.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ class WorkerHalf:
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         kcc = self._kv_cache_config
         layout = worker_layout(kv_caches, kcc, self._vllm_config.cache_config.block_size)
-        # The segment's geometry from one pure module (tiers/segment_geometry.py), and only the config
+        # The segment's geometry from one pure module (cross_process's segment_*), and only the config
         # sections it needs: the scheduler computes the same from its own numbers. Replicated KV (MLA)
         # is stored once per replica set (replicas.py).
         replicas = kv_tp_replicas(self._vllm_config, kcc, self._world)
