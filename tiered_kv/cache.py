@@ -21,16 +21,16 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .backpressure import ByteBudget
+from .block_ids import check_block_ids
+from .byte_budget import ByteBudget
 from .capacity import cpu_rows, promote_chunk, remote_blocks, staging_rows, tier_slots
 from .config import Config, check_capacities, load_config
 from .core import core
 from .errors import BlockIdError, HintError, LayoutError
 from .identity import disk_namespace, make_keyer, remote_namespace
-from .ids import check_block_ids
 from .keys import check_keys
 from .layout import KVLayout
-from .lifecycle import Lifecycle, wait_to_end
+from .lifecycle import Lifecycle
 from .manager import LookupResult, TierManager
 from .manager.loading import key_rows
 from .manager.tier_index import READY
@@ -41,6 +41,7 @@ from .moves import Moves, StoreResult, _Op
 from .tiers.cpu import CpuSlabs
 from .transfer import CopyEngine, make_engine
 from .transfer.base import Compute, Direction, check_compute, compute_event
+from .waits import wait_to_end
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

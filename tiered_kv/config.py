@@ -21,12 +21,12 @@ from pydantic import (
     model_validator,
 )
 
-from .config_tiers import ByteSize, Section, TiersConfig
 from .core import core
 from .errors import ConfigError
 from .host_checks import SLOT_OVERHEAD_BYTES, disk_room, mem_available
 from .policy.window import GHOST_BYTES_PER_SLOT
 from .sizes import MAX_SIZE, format_size, parse_size
+from .tier_config import ByteSize, Section, TiersConfig
 
 # Element sizes of the KV dtypes we plan for; the names are torch's.
 DTYPE_BYTES: dict[str, int] = {

@@ -16,10 +16,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..config_tiers import DiskTierConfig
 from ..errors import DiskError, KeyFormatError, LayoutError
 from ..manager import PromoteJob, SpillJob
 from ..metrics import CacheMetrics
+from ..tier_config import DiskTierConfig
 from ..tiers.cpu import CpuSlabs
 from ..tiers.disk import DiskNamespace, DiskStore
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backpressure import ByteBudget
+from ..byte_budget import ByteBudget
 from ..errors import TransferError
 from ..metrics import CacheMetrics
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ...redis_url import redact
 from .format import HEADER_SIZE, remote_namespace
-from .url import redact
 
 if TYPE_CHECKING:
     from .residency import RemoteResidency
