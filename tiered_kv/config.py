@@ -24,7 +24,7 @@ from pydantic import (
 from .core import core
 from .errors import ConfigError
 from .host_checks import SLOT_OVERHEAD_BYTES, disk_room, mem_available
-from .policy.window import GHOST_BYTES_PER_SLOT
+from .policy import GHOST_BYTES_PER_SLOT
 from .sizes import MAX_SIZE, format_size, parse_size
 from .tier_config import ByteSize, Section, TiersConfig
 
