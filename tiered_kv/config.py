@@ -23,6 +23,7 @@ from pydantic import (
 
 from .core import core
 from .errors import ConfigError
+from .formats import DISK_HEADER_SIZE, align_up
 from .host_checks import SLOT_OVERHEAD_BYTES, disk_room, mem_available
 from .policy import GHOST_BYTES_PER_SLOT
 from .sizes import MAX_SIZE, format_size, parse_size
@@ -354,9 +355,7 @@ def check_host_resources(cfg: Config, bytes_per_block: int) -> None:
                 f"tiers.cpu.allow_overcommit: true"
             )
     if disk.enabled and not disk.allow_overcommit:
-        from .tiers.disk.format import HEADER_SIZE  # lazily: the tiers import this module
-
-        record = -(-(HEADER_SIZE + bytes_per_block) // 4096) * 4096
+        record = align_up(DISK_HEADER_SIZE + bytes_per_block)
         need = disk.capacity // bytes_per_block * record
         free = disk_room(Path(disk.path))
         if free is not None and need > free:

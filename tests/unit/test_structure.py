@@ -20,7 +20,7 @@ MAX_LINES = 400
 # one has to be placed on purpose.
 LAYERS: list[set[str]] = [
     {"errors", "sizes", "host_checks", "core", "block_ids", "redis_url", "waits"},
-    {"config", "tier_config", "layout", "layout_tensors", "keys", "identity", "capacity",
+    {"config", "tier_config", "formats", "layout", "layout_tensors", "keys", "identity", "capacity",
      "metrics", "byte_budget", "policy"},
     {"manager"},
     {"tiers"},
