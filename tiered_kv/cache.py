@@ -32,7 +32,7 @@ from .keys import check_keys
 from .layout import KVLayout
 from .lifecycle import Lifecycle
 from .manager import LookupResult, TierManager
-from .manager.loading import key_rows
+from .manager.key_rows import key_rows
 from .manager.tier_index import READY
 from .metrics import CacheMetrics
 from .mover import DiskIO, Mover, load_handler, store_handler
@@ -148,15 +148,14 @@ class TieredKVCache(Moves, Lifecycle):
                 remote_blocks(cfg, self.layout))  # fmt: skip
             self.mover.register("cpu", "remote", remote.write)
             self.mover.register("remote", "cpu", remote.read)
-            self.manager.remote_known = remote.known
-            self.manager.remote_write = cfg.tiers.remote.write
+            self.manager.attach_remote(remote.known, cfg.tiers.remote.write)
 
     def _local_slabs(self, layout: KVLayout, rows: int) -> CpuSlabs:
         cpu = self.config.tiers.cpu
         return CpuSlabs(layout, rows, pin=cpu.pin_memory, pin_chunk=cpu.pin_chunk, device=layout.device)
 
     def _disk_degraded(self) -> None:
-        self.manager.disk_writable = False
+        self.manager.stop_disk_writes()
 
     async def _release_resources(self) -> None:
         """Release in reverse; slabs only after the copy engine has drained every copy."""
@@ -294,10 +293,10 @@ class TieredKVCache(Moves, Lifecycle):
         old = self.manager
         disk_slots = np.flatnonzero(old.disk.state == READY) if old.disk is not None else None
         self.manager = self._new_manager()  # the check above and this swap: no await between them
-        self.manager.disk_writable = old.disk_writable
+        if not old.disk_writable:
+            self.manager.stop_disk_writes()
         if self.remote is not None:
-            self.manager.remote_known = self.remote.known
-            self.manager.remote_write = self.config.tiers.remote.write
+            self.manager.attach_remote(self.remote.known, self.config.tiers.remote.write)
         if self._probing is not None:
             self._probing.cancel()
         if self.disk is not None and disk_slots is not None and len(disk_slots):

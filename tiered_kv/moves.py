@@ -207,8 +207,7 @@ class Moves:
         try:
             await self.mover.run("cpu", "remote", job)
         finally:
-            if self.manager.remote_known is not None:
-                self.manager.complete_remote_write(job)
+            self.manager.complete_remote_write(job)
             self._progressed()  # its pins are released: a load waiting for room may go on
 
     async def _spill(self, job: SpillJob) -> None:
@@ -343,9 +342,10 @@ class Moves:
                 if plan.fetch is not None:
                     n = min(n, m.complete_fetch(plan, got[1]))
                 self._progressed()
-                if m.disk_invalidate and self.disk is not None:
-                    self.disk.invalidate(np.concatenate(m.disk_invalidate))
-                    m.disk_invalidate.clear()
+                if self.disk is not None:
+                    dropped = m.take_disk_invalidations()
+                    if dropped is not None:
+                        self.disk.invalidate(dropped)
             if plan.restage is not None:
                 await self._restage(plan)
             if op.hold is not None:  # this chunk's blocks moved up: the room they leave is free now
