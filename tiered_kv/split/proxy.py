@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import TransferError
-from ..transfer.base import CopyHandle, Direction, check_id_arrays
+from ..transfer.engines.base import CopyHandle, Direction, check_id_arrays
 from .jobs import LOAD, STORE, ShardJob
 
 log = logging.getLogger(__name__)

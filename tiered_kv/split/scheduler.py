@@ -88,4 +88,4 @@ async def open_scheduler_cache(
     cache = TieredKVCache(cfg, layout, shard_id=group_shard_id(world_size, kv_replicas), slabs_factory=slabs,
                           engine_factory=engine, **cache_kwargs)  # fmt: skip
     await cache.start()
-    return SchedulerSide(cache, cache._engine, cache.slabs.segment.info)
+    return SchedulerSide(cache, cache.engine, cache.slabs.segment.info)

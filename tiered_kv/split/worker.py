@@ -36,8 +36,8 @@ from ..tiers.fs_kind import check_pinnable
 from ..tiers.pinning import HostRegistration, pin_chunks, warn_if_memlock_low
 from ..tiers.segment_geometry import SegmentInfo, storage_ranks
 from ..tiers.shared_cpu import SharedSegment
-from ..transfer.base import CopyEngine, compute_event
-from ..transfer.numpy_rows import NumpyRowEngine
+from ..transfer.engines.base import CopyEngine, compute_event
+from ..transfer.engines.numpy_rows import NumpyRowEngine
 from .jobs import STORE, ShardJob
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ class ShardCopier:
     async def _build(self, gpu: list, cpu: list, seg: SharedSegment) -> CopyEngine:
         if self.kind == "host":
             return NumpyRowEngine(gpu, cpu)
-        from ..transfer.cuda import CUDAStreamEngine
+        from ..transfer.engines.cuda import CUDAStreamEngine
 
         self._pinned, dma_rows = _pin(seg, self.rank, self.layout.device, self.pin_chunk)
         return CUDAStreamEngine(gpu, cpu, dma_rows=dma_rows)

@@ -25,7 +25,7 @@ import aiofiles
 import aiofiles.os
 from aiofiles.threadpool.binary import AsyncFileIO
 
-from ...waits import wait_to_end
+from ...owned_tasks import wait_to_end
 from .files import create_fresh, open_private
 
 T = TypeVar("T")

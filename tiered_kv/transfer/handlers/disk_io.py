@@ -16,12 +16,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..errors import DiskError, KeyFormatError, LayoutError
-from ..manager import PromoteJob, SpillJob
-from ..metrics import CacheMetrics
-from ..tier_config import DiskTierConfig
-from ..tiers.cpu import CpuSlabs
-from ..tiers.disk import DiskNamespace, DiskStore
+from ...errors import DiskError, KeyFormatError, LayoutError
+from ...manager import PromoteJob, SpillJob
+from ...metrics import CacheMetrics
+from ...tier_config import DiskTierConfig
+from ...tiers.cpu import CpuSlabs
+from ...tiers.disk import DiskNamespace, DiskStore
 
 log = logging.getLogger("tiered_kv.disk")
 

@@ -1,8 +1,8 @@
-"""The async mover: executes transfer jobs, one batch at a time, by (source medium, destination medium).
+"""The dispatcher: runs one transfer job through the handler registered for its (source, destination) media.
 
-It holds no bookkeeping: the tier manager decides what moves where, the mover
-only runs the job under the in-flight byte budget and reports which blocks
-made it. Adding a tier adds handlers, not branches.
+It holds no bookkeeping: the tier manager decides what moves where, the runners (transfer/runners/)
+hand each job of a plan here, and the dispatcher runs it under the in-flight byte budget and reports
+which blocks made it. Adding a tier adds handlers, not branches.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from ..byte_budget import ByteBudget
-from ..errors import TransferError
-from ..metrics import CacheMetrics
+from ...byte_budget import ByteBudget
+from ...errors import TransferError
+from ...metrics import CacheMetrics
 
 MEDIA = ("gpu", "cpu", "disk", "remote")
 DIRECTIONS = {("gpu", "cpu"): "gpu_to_cpu", ("cpu", "gpu"): "cpu_to_gpu",
@@ -51,8 +51,8 @@ class CopyJob:
         return len(self.src_ids)
 
 
-class Mover:
-    """Runs jobs through the handler registered for their (src, dst) media."""
+class Dispatcher:
+    """Runs jobs through the handler registered for their (src, dst) media, under one byte budget."""
 
     def __init__(self, budget: ByteBudget, metrics: CacheMetrics, bytes_per_block: int) -> None:
         self._budget = budget
