@@ -1,13 +1,11 @@
 """TieredKVCache: the asyncio facade that holds and wires the tier manager, the runners and the lifecycle.
 
-A move runs in three phases: plan (synchronous: the manager, manager/), execute (asynchronous:
-a runner, transfer/runners/, hands the plan's jobs to the dispatcher, transfer/handlers/, which
-runs each through its handler and copy engine, transfer/engines/), finish (synchronous: the
-manager commits or aborts). ``lookup`` and ``touch`` are synchronous calls into the manager;
-``store`` and ``load`` check their arguments here and hand the call to their runner. The cache
-builds every part with its collaborators as constructor arguments: the manager and the
-dispatcher at construction, the resources (slab, engine, disk and remote I/O) and the runners
-at start, the runners again when ``reset`` replaces the manager.
+A move runs in three phases: plan (synchronous: manager/), execute (asynchronous: a runner of
+transfer/runners/ hands the plan's jobs to the dispatcher, which runs each through its handler
+and copy engine), finish (synchronous: the manager commits or aborts). ``lookup`` and ``touch``
+call the manager; ``store`` and ``load`` check their arguments here and hand the call to a runner.
+Every part gets its collaborators as constructor arguments: the manager and the dispatcher at
+construction, the resources (cache_resources.py) and the runners at start, new runners at ``reset``.
 """
 
 from __future__ import annotations
@@ -21,10 +19,10 @@ import numpy as np
 from .byte_budget import ByteBudget
 from .cache_args import check_blocks, check_session, compute_for
 from .cache_resources import CacheResources
-from .capacity import cpu_rows, promote_chunk, remote_blocks, staging_rows, tier_slots
+from .capacity import promote_chunk, staging_rows, tier_slots
 from .config import Config, check_capacities, load_config
 from .errors import LayoutError
-from .identity import disk_namespace, make_keyer, remote_namespace
+from .identity import make_keyer
 from .keys import check_keys
 from .layout import KVLayout
 from .lifecycle import Lifecycle
@@ -37,7 +35,7 @@ from .tiers.cpu import CpuSlabs
 from .transfer import CopyEngine, make_engine
 from .transfer.engines.base import Compute
 from .transfer.handlers import Dispatcher
-from .transfer.runners import LoadRunner, MoveControl, Progress, SpillRunner, StoreResult, StoreRunner
+from .transfer.runners import MoveControl, Progress, Runners, StoreResult
 
 __all__ = ["StoreResult", "TieredKVCache"]
 
@@ -63,11 +61,9 @@ class TieredKVCache:
     ):
         self.config = cfg = load_config(config)
         if not isinstance(layout, KVLayout) or not (layout.is_bound or engine_factory is not None):
-            raise LayoutError("TieredKVCache needs a layout bound to the KV tensors (KVLayout.from_tensors or bind)")
-        # Injected by a scheduler process (cross_process/): its slab is the shared segment and its
-        # engine sends the copies to the workers; everything else is this same cache.
-        self._slabs_factory = slabs_factory or self._local_slabs
-        self._engine_factory = engine_factory or self._local_engine
+            raise LayoutError(
+                "TieredKVCache needs a layout bound to the KV tensors (KVLayout.from_tensors or bind)"
+            )
         check_capacities(cfg, layout.bytes_per_block)
         self.layout = layout
         self.metrics = metrics or CacheMetrics()
@@ -81,15 +77,21 @@ class TieredKVCache:
         self.metrics.track_used_slots("cpu", lambda: self.manager.cpu.used)
         if self.manager.disk is not None:
             self.metrics.track_used_slots("disk", lambda: self.manager.disk.used)
-        self._disk_ns = disk_namespace(self.keyer, layout) if cfg.tiers.disk.enabled else None
         self._budget = ByteBudget(cfg.transfer.max_inflight_bytes)
         self.dispatcher = Dispatcher(self._budget, self.metrics, layout.bytes_per_block)
-        self._res = CacheResources()
+        # The factories are injected by a scheduler process (cross_process/): its slab is the shared
+        # segment and its engine sends the copies to the workers; everything else is this same cache.
+        self._res = CacheResources(
+            cfg,
+            layout,
+            self.keyer,
+            self._slots.get("disk"),
+            slabs_factory=slabs_factory,
+            engine_factory=engine_factory or self._local_engine,
+        )
         self._tasks = TaskSet()
         self._progress = Progress()  # every runner's plans wake its waiters
-        self._spills: SpillRunner | None = None  # the runners exist while the cache is open
-        self._stores: StoreRunner | None = None
-        self._loads: LoadRunner | None = None
+        self._runners: Runners | None = None  # while the cache is open
         self.recovered_blocks = 0
         self.lifecycle = Lifecycle(
             type(self).__name__,
@@ -107,17 +109,11 @@ class TieredKVCache:
             self._key_bytes,
             cfg.eviction.policy,
             write_through=cfg.tiers.disk.spill_policy == "write_through",
-            on_event=self._count_event,
+            on_event=self.metrics.manager_event,
             staging_slots=self._staging,
             protect_share=cfg.eviction.protect_share,
             session_idle_s=cfg.eviction.session_idle_s,
         )
-
-    def _count_event(self, kind: str, tier: str, n: int) -> None:
-        if kind == "evicted":
-            self.metrics.evicted[tier].inc(n)
-        elif kind == "dropped" and tier == "cpu":  # disk drops are counted where their error is seen
-            self.metrics.drop("cpu", "no_disk_room", n)
 
     # -- what a started cache holds (cache_resources.py) --------------------------------
     @property
@@ -152,25 +148,8 @@ class TieredKVCache:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def _check_open(self) -> None:
-        self.lifecycle.check_open()
-
     async def _open_resources(self) -> None:
-        cfg, layout = self.config, self.layout
-        await self._res.open(
-            cfg,
-            layout,
-            self.dispatcher,
-            self.metrics,
-            rows=cpu_rows(cfg, layout),  # the same number a shared segment is sized by
-            slabs_factory=self._slabs_factory,
-            engine_factory=self._engine_factory,
-            disk_namespace=self._disk_ns,
-            disk_slots=self._slots.get("disk"),
-            on_disk_degraded=self._disk_degraded,
-            remote_namespace=remote_namespace(self.keyer, layout) if cfg.tiers.remote.enabled else None,
-            remote_blocks=remote_blocks(cfg, layout),
-        )
+        await self._res.open(self.dispatcher, self.metrics, lambda: self.manager.stop_disk_writes())
         recovered = self._res.recovered
         if self.manager.disk is not None:
             self.manager.disk.restore([b.key for b in recovered], [b.slot for b in recovered])
@@ -181,40 +160,22 @@ class TieredKVCache:
         """Build the runners over the current manager and the open resources."""
         if self.remote is not None:
             self.manager.attach_remote(self.remote.known, self.config.tiers.remote.write)
-        self._spills = spills = SpillRunner(
-            self.manager, self.dispatcher, self.metrics, self._tasks, self._progress, disk=self.disk, remote=self.remote
-        )
-        self._stores = StoreRunner(
+        self._runners = Runners.build(
             self.manager,
             self.dispatcher,
             self.metrics,
-            spills,
-            self._tasks,
-            self._progress,
-            remote_writes=self.remote is not None,
-        )
-        self._loads = LoadRunner(
-            self.manager,
-            self.dispatcher,
-            spills,
             self._tasks,
             self._progress,
             slab=self.slabs.slab_np,
             bytes_per_block=self.layout.bytes_per_block,
             max_promote=self._max_promote,
             disk=self.disk,
+            remote=self.remote,
         )
-
-    def _local_slabs(self, layout: KVLayout, rows: int) -> CpuSlabs:
-        cpu = self.config.tiers.cpu
-        return CpuSlabs(layout, rows, pin=cpu.pin_memory, pin_chunk=cpu.pin_chunk, device=layout.device)
 
     def _local_engine(self, slabs: CpuSlabs) -> CopyEngine:
         regions = list(self.layout.regions)
         return make_engine(self.config.transfer.engine, regions, slabs.regions, dma_rows=slabs.dma_rows)
-
-    def _disk_degraded(self) -> None:
-        self.manager.stop_disk_writes()
 
     def _reset_after_failed_start(self) -> None:
         self.manager = self._new_manager()
@@ -228,7 +189,7 @@ class TieredKVCache:
         wrong lengths cancel out are not detected here (checking each key would cost
         as much as the lookup), and can only miss.
         """
-        self._check_open()
+        self.lifecycle.check_open()
         if isinstance(keys, (bytes, bytearray, str)) or not isinstance(keys, Sequence):
             check_keys(keys, self._key_bytes)
         try:
@@ -251,13 +212,16 @@ class TieredKVCache:
         holds, then look up. Without a remote tier this is ``lookup``. Never raises for Redis faults."""
         result = self.lookup(keys)
         if self.remote is not None and result.total < len(keys):
-            rest = keys[result.total :]
-            await self.remote.probe(key_rows(rest, self._key_bytes))
+            await self.remote.probe(key_rows(keys[result.total :], self._key_bytes))
             result = self.lookup(keys)
         return result
 
     def touch(
-        self, keys: Sequence[bytes], *, session: str | int | None = None, expect_followup: bool = False,
+        self,
+        keys: Sequence[bytes],
+        *,
+        session: str | int | None = None,
+        expect_followup: bool = False,
         held: bool = False,
     ) -> None:
         """Mark resident keys as used, last first, so a prefix's head is the most recent.
@@ -272,7 +236,7 @@ class TieredKVCache:
         recorded (the key's history, for the next time the engine stores it) and copies the engine
         loaded stay the first eviction candidates.
         """
-        self._check_open()
+        self.lifecycle.check_open()
         check_keys(keys, self._key_bytes)
         self.manager.touch(keys, held=bool(held))
         if session is not None:
@@ -284,7 +248,7 @@ class TieredKVCache:
         They are dropped, never spilled, when room is needed. Returns those keys, so an
         engine can treat its own copies the same way. An unknown session returns [].
         """
-        self._check_open()
+        self.lifecycle.check_open()
         return self.manager.release(check_session(session))
 
     async def wait_for(self, keys: Sequence[bytes]) -> LookupResult:
@@ -297,7 +261,7 @@ class TieredKVCache:
 
     def tiers_of(self, keys: Sequence[bytes]) -> list[str]:
         """The tier each key is in: "cpu", "disk", "remote" (known to the remote residency filter) or ""."""
-        self._check_open()
+        self.lifecycle.check_open()
         check_keys(keys, self._key_bytes)
         return self.manager.tiers_of(keys)
 
@@ -310,7 +274,7 @@ class TieredKVCache:
         races a copy (try again once they have finished). A remote tier that cannot be emptied
         (unreachable) is logged and counted; the local tiers are reset all the same.
         """
-        self._check_open()
+        self.lifecycle.check_open()
         probing = self.remote.probing if self.remote is not None else None
         busy = [t for t in self._tasks if not t.done() and t is not probing]
         if busy or self._budget.used or getattr(self.engine, "inflight", 0):
@@ -323,7 +287,7 @@ class TieredKVCache:
         self._wire()
         if self.remote is not None:
             self.remote.stop_probing()
-        await self._spills.forget(disk_slots)
+        await self._runners.spills.forget(disk_slots)
         return True
 
     def copies_now(self, n_blocks: int) -> bool:
@@ -387,7 +351,7 @@ class TieredKVCache:
         ``compute``: see ``load``; the copies read the blocks only after it.
         """
         t0 = time.perf_counter()  # not loop.time(): uvloop's ticks in whole milliseconds
-        self._check_open()
+        self.lifecycle.check_open()
         ids = check_blocks(keys, gpu_block_ids, self._key_bytes, self.layout.num_blocks)
         compute = compute_for(self.layout.device, compute)
         if len(prefix):
@@ -395,7 +359,7 @@ class TieredKVCache:
         keys, prefix = list(keys), list(prefix)
         if session is not None:
             self.manager.hint(check_session(session), prefix + keys, bool(expect_followup))
-        result = await self._stores.store(keys, ids, prefix, after, compute)
+        result = await self._runners.stores.store(keys, ids, prefix, after, compute)
         self.metrics.op_latency["store"].observe(time.perf_counter() - t0)
         return result
 
@@ -427,9 +391,9 @@ class TieredKVCache:
         Ignored by the host engine (CPU tensors).
         """
         t0 = time.perf_counter()
-        self._check_open()
+        self.lifecycle.check_open()
         ids = check_blocks(keys, gpu_block_ids, self._key_bytes, self.layout.num_blocks)
         compute = compute_for(self.layout.device, compute)
-        loaded = await self._loads.load(list(keys), ids, bool(exclusive), before_copy, compute)
+        loaded = await self._runners.loads.load(list(keys), ids, bool(exclusive), before_copy, compute)
         self.metrics.op_latency["load"].observe(time.perf_counter() - t0)
         return loaded

@@ -15,7 +15,9 @@ from .keys import check_keys
 from .transfer.engines.base import Compute, check_compute, compute_event
 
 
-def check_blocks(keys: Sequence[bytes], gpu_block_ids: Sequence[int], key_bytes: int, num_blocks: int) -> np.ndarray:
+def check_blocks(
+    keys: Sequence[bytes], gpu_block_ids: Sequence[int], key_bytes: int, num_blocks: int
+) -> np.ndarray:
     """Keys of ``key_bytes`` each, one GPU block id per key, each below ``num_blocks``: the ids as int64."""
     check_keys(keys, key_bytes)
     ids = core.block_ids(gpu_block_ids, num_blocks)  # one native pass for plain ints

@@ -41,9 +41,13 @@ class DiskNamespace:
     def __post_init__(self) -> None:
         for name in ("model_id", "dtype", "layout_digest"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise ConfigError(f"DiskNamespace.{name} must be a non-empty string, got {getattr(self, name)!r}")
+                raise ConfigError(
+                    f"DiskNamespace.{name} must be a non-empty string, got {getattr(self, name)!r}"
+                )
         if not isinstance(self.bytes_per_block, int) or self.bytes_per_block <= 0:
-            raise ConfigError(f"DiskNamespace.bytes_per_block must be a positive int, got {self.bytes_per_block!r}")
+            raise ConfigError(
+                f"DiskNamespace.bytes_per_block must be a positive int, got {self.bytes_per_block!r}"
+            )
         if self.key_bytes not in (16, 32):
             raise ConfigError(f"DiskNamespace.key_bytes must be 16 or 32, got {self.key_bytes!r}")
 

@@ -70,6 +70,13 @@ class CacheMetrics:
         """Read the slot count at scrape time instead of updating a gauge on every move."""
         self.used_slots.labels(tier).set_function(used)
 
+    def manager_event(self, kind: str, tier: str, n: int) -> None:
+        """A tier manager's event (manager.EVENT_KINDS) of ``n`` blocks, as it counts here."""
+        if kind == "evicted":
+            self.evicted[tier].inc(n)
+        elif kind == "dropped" and tier == "cpu":  # disk drops are counted where their error is seen
+            self.drop("cpu", "no_disk_room", n)
+
     def drop(self, tier: str, cause: str, n: int = 1, detail: str = "") -> None:
         """Count blocks dropped because of an error; log at WARNING once per (tier, cause)."""
         if n <= 0:

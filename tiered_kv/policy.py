@@ -44,5 +44,7 @@ from .core import core
 KINDS = {"lru": 0, "arc": 1, "window": 2}  # the core's policy kinds
 POLICIES: tuple[str, ...] = tuple(KINDS)
 START, LOW, HIGH = 0.1, 0.05, 0.2  # the window's target: initial, least, most, as shares of the tier
-GHOSTS = tuple(core.WINDOW_GHOSTS)  # each ghost list's bound (window's, main's), in multiples of the tier's slots
+GHOSTS = tuple(
+    core.WINDOW_GHOSTS
+)  # each ghost list's bound (window's, main's), in multiples of the tier's slots
 GHOST_BYTES_PER_SLOT = sum(GHOSTS) * core.GHOST_BYTES  # at the bound: the config's memory check

@@ -40,8 +40,14 @@ class LoadPlanner:
     def prepare(self, keys: Sequence[bytes], max_promote: int, *, exclusive: bool = False) -> LoadPlan:
         """Pin the leading run's CPU hits; reserve CPU slots for up to ``max_promote`` disk or remote hits."""
         s = self._s
-        if (s.fused and s.disk is None and s.remote_known is None and not s.announced and len(keys)
-                and not (exclusive and s.staging is not None)):  # fmt: skip
+        if (
+            s.fused
+            and s.disk is None
+            and s.remote_known is None
+            and not s.announced
+            and len(keys)
+            and not (exclusive and s.staging is not None)
+        ):
             return self._prepare_load_cpu(keys, exclusive)
         n = first_repeat(keys)
         if n == 0:
@@ -97,16 +103,31 @@ class LoadPlanner:
             end = int(dpos[got])
             s.cpu.unpin(src[end:][cpu_ready[end:cut]])
             src, stop = src[:end], "room"
-        return LoadPlan(src, promote, spill, stop, pinned=src[cpu_ready[: len(src)]], exclusive=exclusive,
-                        fetch=fetch, remote_spill=self._room.take_remote_spill())  # fmt: skip
+        return LoadPlan(
+            src,
+            promote,
+            spill,
+            stop,
+            pinned=src[cpu_ready[: len(src)]],
+            exclusive=exclusive,
+            fetch=fetch,
+            remote_spill=self._room.take_remote_spill(),
+        )
 
     def _prepare_load_cpu(self, keys: Sequence[bytes], exclusive: bool) -> LoadPlan:
         """prepare_load with no tier below the CPU: one native call finds and pins the READY run."""
         src, n, pending = self._s.cpu.plan_load(keys)
         run = len(src)
         stop = "" if run == len(keys) else ("in_flight" if run < n and pending else "miss")
-        return LoadPlan(src, None, None, stop, pinned=src.copy(), exclusive=exclusive,
-                        remote_spill=self._room.take_remote_spill())  # fmt: skip
+        return LoadPlan(
+            src,
+            None,
+            None,
+            stop,
+            pinned=src.copy(),
+            exclusive=exclusive,
+            remote_spill=self._room.take_remote_spill(),
+        )
 
     def _prepare_staged(self, rows, cpu_s, cpu_ready, d_s, run: int, stop: str, max_promote: int) -> LoadPlan:
         """An exclusive load: every block of the chunk goes through a staging row.
@@ -127,11 +148,23 @@ class LoadPlanner:
         cpu_src = cpu_s[:take][c]
         s.cpu.pin(cpu_src)  # until restaged
         s.disk_pin(d_s[:take][on_disk])
-        promote = PromoteJob(rows[:take][on_disk], d_s[:take][on_disk], staged[on_disk], pos[on_disk]) \
-            if on_disk.any() else None  # fmt: skip
+        promote = (
+            PromoteJob(rows[:take][on_disk], d_s[:take][on_disk], staged[on_disk], pos[on_disk])
+            if on_disk.any()
+            else None
+        )
         fetch = PromoteJob(rows[:take][far], EMPTY, staged[far], pos[far]) if far.any() else None
-        return LoadPlan(staged, promote, None, "room" if take < run else stop, pinned=cpu_src, exclusive=True,
-                        fetch=fetch, staged=staged, restage=(cpu_src, staged[c]))  # fmt: skip
+        return LoadPlan(
+            staged,
+            promote,
+            None,
+            "room" if take < run else stop,
+            pinned=cpu_src,
+            exclusive=True,
+            fetch=fetch,
+            staged=staged,
+            restage=(cpu_src, staged[c]),
+        )
 
     def hold_run(self, keys: Sequence[bytes]) -> RunHold:
         """Pin the CPU and disk blocks of the keys' leading run for an exclusive load.

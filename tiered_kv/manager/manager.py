@@ -207,7 +207,9 @@ class TierManager:
         return where.tolist()
 
     # -- stores (the store planner's) -------------------------------------------------
-    def prepare_store(self, keys: Sequence[bytes], gpu_ids: np.ndarray, prefix: Sequence[bytes] = ()) -> StorePlan:
+    def prepare_store(
+        self, keys: Sequence[bytes], gpu_ids: np.ndarray, prefix: Sequence[bytes] = ()
+    ) -> StorePlan:
         """Reserve CPU slots for the keys not yet resident; evictions become a spill job or drops."""
         return self.stores.prepare(keys, gpu_ids, prefix)
 

@@ -76,7 +76,9 @@ class TierState:
         # Slab rows cpu_slots .. cpu_slots + staging_slots - 1: exclusive loads stage through them.
         self.staging = Staging(cpu.num_slots, staging_slots) if staging_slots > 0 else None
         self.announced: dict[bytes, int] = {}  # keys a store has announced but not yet placed: in flight
-        self.disk_invalidate: list[np.ndarray] = []  # disk slots dropped for good: the disk store forgets them
+        self.disk_invalidate: list[
+            np.ndarray
+        ] = []  # disk slots dropped for good: the disk store forgets them
         # The core's fused entry points for the common cases (a lookup, a store into a CPU tier with
         # nothing below it): one native call each. The general paths give the same answers.
         self.fused = True

@@ -80,12 +80,25 @@ class StorePlanner:
         new_idx, slots, evicted, deduped, in_flight = s.cpu.plan_store(keys, prefix)
         if len(evicted):
             s.event("evicted", "cpu", evicted)
-        placed, unplaced = (new_idx, EMPTY) if len(slots) == len(new_idx) else (new_idx[: len(slots)], new_idx[len(slots) :])
-        ids = gpu_ids if type(gpu_ids) is np.ndarray and gpu_ids.dtype == np.int64 else np.asarray(gpu_ids, dtype=np.int64)
+        placed, unplaced = (
+            (new_idx, EMPTY) if len(slots) == len(new_idx) else (new_idx[: len(slots)], new_idx[len(slots) :])
+        )
+        ids = (
+            gpu_ids
+            if type(gpu_ids) is np.ndarray and gpu_ids.dtype == np.int64
+            else np.asarray(gpu_ids, dtype=np.int64)
+        )
         return StorePlan(
-            keys if type(keys) is list else list(keys), ids[placed], slots, None, deduped, in_flight, unplaced,
-            prefix if type(prefix) is list else list(prefix), self._room.take_remote_spill(),
-        )  # fmt: skip
+            keys if type(keys) is list else list(keys),
+            ids[placed],
+            slots,
+            None,
+            deduped,
+            in_flight,
+            unplaced,
+            prefix if type(prefix) is list else list(prefix),
+            self._room.take_remote_spill(),
+        )
 
     def _hold_chain(self, cpu_s, d_s, resident, prefix) -> tuple[np.ndarray, np.ndarray]:
         """Pin the resident blocks of the call's chain (prefix + its own resident keys) for one eviction."""

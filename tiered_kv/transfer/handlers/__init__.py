@@ -9,4 +9,13 @@ from .disk_io import DiskIO
 from .dispatch import DIRECTIONS, MEDIA, CopyJob, Dispatcher
 from .gpu_cpu import load_handler, register_engine, store_handler
 
-__all__ = ["DIRECTIONS", "MEDIA", "CopyJob", "DiskIO", "Dispatcher", "load_handler", "register_engine", "store_handler"]
+__all__ = [
+    "DIRECTIONS",
+    "MEDIA",
+    "CopyJob",
+    "DiskIO",
+    "Dispatcher",
+    "load_handler",
+    "register_engine",
+    "store_handler",
+]

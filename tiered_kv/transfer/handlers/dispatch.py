@@ -20,9 +20,14 @@ from ...errors import TransferError
 from ...metrics import CacheMetrics
 
 MEDIA = ("gpu", "cpu", "disk", "remote")
-DIRECTIONS = {("gpu", "cpu"): "gpu_to_cpu", ("cpu", "gpu"): "cpu_to_gpu",
-              ("cpu", "disk"): "cpu_to_disk", ("disk", "cpu"): "disk_to_cpu",
-              ("cpu", "remote"): "cpu_to_remote", ("remote", "cpu"): "remote_to_cpu"}  # fmt: skip
+DIRECTIONS = {
+    ("gpu", "cpu"): "gpu_to_cpu",
+    ("cpu", "gpu"): "cpu_to_gpu",
+    ("cpu", "disk"): "cpu_to_disk",
+    ("disk", "cpu"): "disk_to_cpu",
+    ("cpu", "remote"): "cpu_to_remote",
+    ("remote", "cpu"): "remote_to_cpu",
+}
 
 # A handler runs one job and returns a per-block ok mask; it raises only for a fault that
 # hit the whole batch, and only once nothing of the batch can still be in flight.
@@ -90,8 +95,14 @@ class Dispatcher:
             raise TransferError(f"cannot register a threaded starter for {src!r} -> {dst!r}")
         self._threaded[(src, dst)] = starter
 
-    def start_threaded(self, src: str, dst: str, job: Any, token: asyncio.Future,
-                       done: Callable[[BaseException | None], None]) -> bool:  # fmt: skip
+    def start_threaded(
+        self,
+        src: str,
+        dst: str,
+        job: Any,
+        token: asyncio.Future,
+        done: Callable[[BaseException | None], None],
+    ) -> bool:
         """Start ``job`` on the engine's thread when a starter is registered and the budget admits it at
         once; ``done(error)`` runs on the loop once it has landed (the budget is released first).
         False, having done nothing, otherwise: the job must go through ``run``."""

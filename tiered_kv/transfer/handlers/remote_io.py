@@ -39,7 +39,9 @@ class RemoteIO:
         self.probing: asyncio.Task | None = None  # the background probe (one at a time)
 
     @classmethod
-    async def open(cls, cfg: Any, namespace: str, slabs: Any, metrics: CacheMetrics, max_keys: int) -> RemoteIO:
+    async def open(
+        cls, cfg: Any, namespace: str, slabs: Any, metrics: CacheMetrics, max_keys: int
+    ) -> RemoteIO:
         """Connect (RemoteError naming the URL, never the password, when unreachable)."""
         store = await RemoteStore.open(cfg, namespace, slabs, metrics)
         return cls(store, RemoteResidency(max(1, min(max_keys, 1 << 26))), metrics)

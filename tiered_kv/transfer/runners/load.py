@@ -93,7 +93,12 @@ class LoadRunner:
         if exclusive and m.staging is not None:
             return None, None
         plan = m.prepare_load(keys, self._max_promote, exclusive=exclusive)
-        if plan.promote is not None or plan.fetch is not None or plan.spill is not None or plan.restage is not None:
+        if (
+            plan.promote is not None
+            or plan.fetch is not None
+            or plan.spill is not None
+            or plan.restage is not None
+        ):
             return None, plan
         if plan.remote_spill is not None:
             return None, plan
@@ -129,7 +134,9 @@ class LoadRunner:
                 self._progress.notify()
             call.set_exception(error) if error is not None else call.set_result(n)
 
-        return self._tasks.own(call) if self._dispatch.start_threaded("cpu", "gpu", job, call, landed) else None
+        return (
+            self._tasks.own(call) if self._dispatch.start_threaded("cpu", "gpu", job, call, landed) else None
+        )
 
     async def _run(
         self, control: MoveControl, keys: list[bytes], ids: np.ndarray, exclusive: bool, plan: LoadPlan | None
@@ -147,7 +154,12 @@ class LoadRunner:
                 self._progress.notify()
 
     async def _chunks(
-        self, control: MoveControl, keys: list[bytes], ids: np.ndarray, exclusive: bool, first: LoadPlan | None
+        self,
+        control: MoveControl,
+        keys: list[bytes],
+        ids: np.ndarray,
+        exclusive: bool,
+        first: LoadPlan | None,
     ) -> int:
         m = self._m
         loaded = 0
@@ -212,7 +224,9 @@ class LoadRunner:
             self._progress.notify()
         return n
 
-    def _finish_reads(self, plan: LoadPlan, n: int, promoted: np.ndarray | None, fetched: np.ndarray | None) -> int:
+    def _finish_reads(
+        self, plan: LoadPlan, n: int, promoted: np.ndarray | None, fetched: np.ndarray | None
+    ) -> int:
         """Commit what the disk and remote reads brought in; the run ends at the first block that did not come."""
         m = self._m
         if plan.promote is not None:
@@ -257,7 +271,9 @@ class LoadRunner:
             return await self._dispatch.run("disk", "cpu", plan.promote)
         except DiskError as exc:
             log.warning(
-                "disk tier: a promotion of %d blocks failed (%s); treating them as misses", len(plan.promote), exc
+                "disk tier: a promotion of %d blocks failed (%s); treating them as misses",
+                len(plan.promote),
+                exc,
             )
             return None
 

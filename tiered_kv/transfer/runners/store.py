@@ -111,7 +111,9 @@ class StoreRunner:
             else:
                 call.set_result(self._result(n_keys, stored, plan.deduped, plan.in_flight))
 
-        return self._tasks.own(call) if self._dispatch.start_threaded("gpu", "cpu", job, call, landed) else None
+        return (
+            self._tasks.own(call) if self._dispatch.start_threaded("gpu", "cpu", job, call, landed) else None
+        )
 
     def _result(self, n: int, stored: int, deduped: int, in_flight: int) -> StoreResult:
         skipped = n - stored - deduped - in_flight
@@ -120,7 +122,12 @@ class StoreRunner:
         return StoreResult(stored, deduped, in_flight, skipped)
 
     async def _run_after(
-        self, control: MoveControl, after: Awaitable[Any], keys: list[bytes], ids: np.ndarray, prefix: list[bytes]
+        self,
+        control: MoveControl,
+        after: Awaitable[Any],
+        keys: list[bytes],
+        ids: np.ndarray,
+        prefix: list[bytes],
     ) -> StoreResult:
         control.idle = True  # nothing reserved yet: a cancel may stop it outright
         try:
