@@ -25,7 +25,7 @@ LAYERS: list[set[str]] = [
     {"manager"},
     {"tiers"},
     {"transfer"},
-    {"lifecycle", "loops", "cache"},
+    {"lifecycle", "loops", "cache", "cache_resources", "cache_args"},
     {"cross_process"},
     {"integrations"},
     {"replay", "bench", "cli", "__init__", "__main__"},

@@ -11,7 +11,7 @@ thread. ``Progress`` wakes moves that wait for room or for another call's keys.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from ...owned_tasks import TaskSet, wait_to_end
@@ -69,15 +69,15 @@ class Progress:
             self._fut.set_result(None)
 
 
-async def run_move(tasks: TaskSet, body: Callable[[MoveControl], Awaitable[T]], compute: Any = None) -> T:
-    """Run a move as a task the cache owns; the caller waits for it, cancelled or not.
+async def run_move(tasks: TaskSet, control: MoveControl, move: Coroutine[Any, Any, T]) -> T:
+    """Run ``move`` (a runner's coroutine over ``control``) as a task the cache owns; the caller waits
+    for it, cancelled or not.
 
     On cancellation the flag stops the move before its next copy, and the caller
     still waits (shielded) until the copies already issued into or out of its
     GPU blocks have landed: the engine reuses those blocks the moment we return.
     """
-    control = MoveControl(compute)
-    task = tasks.spawn(body(control))
+    task = tasks.spawn(move)
 
     def stop() -> None:
         control.cancelled = True

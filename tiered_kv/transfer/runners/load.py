@@ -75,12 +75,9 @@ class LoadRunner:
                 if not isinstance(loaded, int):
                     loaded = await loaded  # the copy on the engine's thread (a cancel waits for it to land)
                 return loaded
-
-        def body(control: MoveControl) -> Awaitable[int]:
-            control.before_copy = before_copy
-            return self._run(control, keys, ids, exclusive, plan)
-
-        return await run_move(self._tasks, body, compute)
+        control = MoveControl(compute)
+        control.before_copy = before_copy
+        return await run_move(self._tasks, control, self._run(control, keys, ids, exclusive, plan))
 
     def _load_now(
         self, keys: list[bytes], ids: np.ndarray, exclusive: bool

@@ -67,12 +67,14 @@ class StoreRunner:
         if after is None:
             result, plan = self._store_now(keys, ids, prefix)
             if result is None:
-                return await run_move(self._tasks, lambda c: self._run(c, keys, ids, prefix, plan), compute)
+                control = MoveControl(compute)
+                return await run_move(self._tasks, control, self._run(control, keys, ids, prefix, plan))
             if not isinstance(result, StoreResult):
                 result = await result  # the copy on the engine's thread (a cancel waits for it to land)
             return result
         self._m.announce(keys)
-        return await run_move(self._tasks, lambda c: self._run_after(c, after, keys, ids, prefix), compute)
+        control = MoveControl(compute)
+        return await run_move(self._tasks, control, self._run_after(control, after, keys, ids, prefix))
 
     def _store_now(
         self, keys: list[bytes], ids: np.ndarray, prefix: list[bytes]
