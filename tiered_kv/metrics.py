@@ -15,7 +15,7 @@ log = logging.getLogger("tiered_kv")
 
 TIERS = ("cpu", "disk", "remote")
 DIRECTIONS = ("gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk", "disk_to_cpu", "cpu_to_remote", "remote_to_cpu")
-# The remote tier's own per-operation results (the store counts them; the mover counts directions).
+# The remote tier's own per-operation results (the store counts them; the dispatcher counts directions).
 REMOTE_RESULTS = {"put": ("stored", "failed"), "get": ("hit", "miss", "corrupt", "failed"),
                   "exists": ("present", "absent", "failed")}
 _LATENCY_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)

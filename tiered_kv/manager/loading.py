@@ -269,7 +269,7 @@ class LoadPlanner:
             s.cpu.touch(src)
 
     def abort_load(self, plan: LoadPlan) -> None:
-        """Undo a plan whose promotions never ran (the mover refused them before any read)."""
+        """Undo a plan whose promotions never ran (the dispatcher refused them before any read)."""
         s = self._s
         if plan.promote is not None:
             s.disk.unpin(plan.promote.disk_slots)

@@ -9,24 +9,7 @@
 The engines' names are re-exported here for code that drives copies directly.
 """
 
-from .engines import (
-    ENGINE_KINDS,
-    CopyEngine,
-    CopyHandle,
-    CUDAStreamEngine,
-    Direction,
-    HostCopyEngine,
-    make_engine,
-    validate_regions,
-)
+from . import engines
+from .engines import *  # noqa: F403 - the engines' names, for code that drives copies directly
 
-__all__ = [
-    "ENGINE_KINDS",
-    "CUDAStreamEngine",
-    "CopyEngine",
-    "CopyHandle",
-    "Direction",
-    "HostCopyEngine",
-    "make_engine",
-    "validate_regions",
-]
+__all__ = engines.__all__

@@ -1,4 +1,8 @@
-"""Transfer engines: copy whole KV blocks between GPU blocks and CPU slots.
+"""Copy engines, the lowest layer of transfer/: copy whole KV blocks between GPU blocks and CPU slots.
+
+host.py (CPU threads; numpy_rows.py its numpy-only variant), cuda.py (CUDA streams and events, with
+the staged, table and table-kernel copy paths and the pinned index ring), bridge.py (CUDA event ->
+asyncio), base.py (the interface they share).
 
 ``make_engine("auto", gpu_regions, cpu_regions)`` picks the CUDA stream engine
 when the GPU regions live on CUDA, else the host (CPU thread) engine.
