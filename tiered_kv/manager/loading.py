@@ -48,7 +48,7 @@ class LoadPlanner:
             and len(keys)
             and not (exclusive and s.staging is not None)
         ):
-            return self._prepare_load_cpu(keys, exclusive)
+            return self._prepare_cpu(keys, exclusive)
         n = first_repeat(keys)
         if n == 0:
             return LoadPlan(stop="miss" if len(keys) else "")
@@ -114,7 +114,7 @@ class LoadPlanner:
             remote_spill=self._room.take_remote_spill(),
         )
 
-    def _prepare_load_cpu(self, keys: Sequence[bytes], exclusive: bool) -> LoadPlan:
+    def _prepare_cpu(self, keys: Sequence[bytes], exclusive: bool) -> LoadPlan:
         """prepare_load with no tier below the CPU: one native call finds and pins the READY run."""
         src, n, pending = self._s.cpu.plan_load(keys)
         run = len(src)
