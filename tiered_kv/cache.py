@@ -151,8 +151,7 @@ class TieredKVCache:
     async def _open_resources(self) -> None:
         await self._res.open(self.dispatcher, self.metrics, lambda: self.manager.stop_disk_writes())
         recovered = self._res.recovered
-        if self.manager.disk is not None:
-            self.manager.disk.restore([b.key for b in recovered], [b.slot for b in recovered])
+        self.manager.restore_disk([b.key for b in recovered], [b.slot for b in recovered])
         self.recovered_blocks = len(recovered)
         self._wire()
 

@@ -146,6 +146,11 @@ class TierManager:
         s.remote_known = known
         s.remote_write = write
 
+    def restore_disk(self, keys: list[bytes], slots: list[int]) -> None:
+        """The disk blocks an earlier run committed (the disk store recovered them), READY again."""
+        if self._s.disk is not None:
+            self._s.disk.restore(keys, slots)
+
     def stop_disk_writes(self) -> None:
         """The disk tier degraded: evicted blocks are dropped, never spilled, from now on."""
         self._s.disk_writable = False
