@@ -149,7 +149,7 @@ def main() -> int:
         print(json.dumps(doc))
         return 0
     from tiered_kv.bench.gpu import pinned_dma_gbps
-    from tiered_kv.transfer import table_kernel
+    from tiered_kv.transfer.engines import table_kernel
 
     dma = pinned_dma_gbps(BATCH * BLOCK)
     doc = {"dry_run": False, "device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -1,52 +1,46 @@
-"""TieredKVCache: the asyncio facade over the tier manager (bookkeeping) and the mover (bytes).
+"""TieredKVCache: the asyncio facade that holds and wires the tier manager, the runners and the lifecycle.
 
-``lookup`` and ``touch`` are synchronous calls into the manager. ``store`` and
-``load`` first plan at once: when nothing must wait (no spill or promotion, no
-room or in-flight key to wait for) and the engine copies inline (host engines,
-small batches), they copy and commit within the call, with no suspension point,
-so no cancellation can come between. Otherwise the plan runs as a task the cache
-owns: the mover executes its jobs in order (spill of evicted slots, promotion
-from disk, the GPU copy), and the manager commits or aborts once every copy of
-the plan has landed. A caller's cancellation stops the move before its next copy
-and the caller still waits for the copies already issued (see ``_run``).
+A move runs in three phases: plan (synchronous: manager/), execute (asynchronous: a runner of
+transfer/runners/ hands the plan's jobs to the dispatcher, which runs each through its handler
+and copy engine), finish (synchronous: the manager commits or aborts). ``lookup`` and ``touch``
+call the manager; ``store`` and ``load`` check their arguments here and hand the call to a runner.
+Every part gets its collaborators as constructor arguments: the manager and the dispatcher at
+construction, the resources (cache_resources.py) and the runners at start, new runners at ``reset``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
-from .backpressure import ByteBudget
-from .capacity import cpu_rows, promote_chunk, remote_blocks, staging_rows, tier_slots
+from .byte_budget import ByteBudget
+from .cache_args import check_blocks, check_session, compute_for
+from .cache_resources import CacheResources
+from .capacity import promote_chunk, staging_rows, tier_slots
 from .config import Config, check_capacities, load_config
-from .core import core
-from .errors import BlockIdError, HintError, LayoutError
-from .identity import disk_namespace, make_keyer, remote_namespace
-from .ids import check_block_ids
+from .errors import LayoutError
+from .identity import make_keyer
 from .keys import check_keys
 from .layout import KVLayout
-from .lifecycle import Lifecycle, wait_to_end
+from .lifecycle import Lifecycle
 from .manager import LookupResult, TierManager
-from .manager.loading import key_rows
+from .manager.key_rows import key_rows
 from .manager.tier_index import READY
 from .metrics import CacheMetrics
-from .mover import DiskIO, Mover, load_handler, store_handler
-from .mover.gpu_cpu import inline_handler, threaded_starter
-from .moves import Moves, StoreResult, _Op
+from .owned_tasks import TaskSet
 from .tiers.cpu import CpuSlabs
 from .transfer import CopyEngine, make_engine
-from .transfer.base import Compute, Direction, check_compute, compute_event
+from .transfer.engines.base import Compute
+from .transfer.handlers import Dispatcher
+from .transfer.runners import MoveControl, Progress, Runners, StoreResult
 
-log = logging.getLogger(__name__)
-T = TypeVar("T")
+__all__ = ["StoreResult", "TieredKVCache"]
 
 
-class TieredKVCache(Moves, Lifecycle):
+class TieredKVCache:
     """Async context manager over a bound KVLayout (see layout.KVLayout.from_tensors).
 
     ``rank``/``world_size`` (or an engine-supplied ``shard_id``) name the engine's
@@ -67,11 +61,9 @@ class TieredKVCache(Moves, Lifecycle):
     ):
         self.config = cfg = load_config(config)
         if not isinstance(layout, KVLayout) or not (layout.is_bound or engine_factory is not None):
-            raise LayoutError("TieredKVCache needs a layout bound to the KV tensors (KVLayout.from_tensors or bind)")
-        # Injected by a scheduler process (split/scheduler.py): its slab is the shared segment and its
-        # engine sends the copies to the workers; everything else is this same cache.
-        self._slabs_factory = slabs_factory or self._local_slabs
-        self._engine_factory = engine_factory
+            raise LayoutError(
+                "TieredKVCache needs a layout bound to the KV tensors (KVLayout.from_tensors or bind)"
+            )
         check_capacities(cfg, layout.bytes_per_block)
         self.layout = layout
         self.metrics = metrics or CacheMetrics()
@@ -85,97 +77,104 @@ class TieredKVCache(Moves, Lifecycle):
         self.metrics.track_used_slots("cpu", lambda: self.manager.cpu.used)
         if self.manager.disk is not None:
             self.metrics.track_used_slots("disk", lambda: self.manager.disk.used)
-        self._disk_ns = disk_namespace(self.keyer, layout) if cfg.tiers.disk.enabled else None
         self._budget = ByteBudget(cfg.transfer.max_inflight_bytes)
-        self.mover = Mover(self._budget, self.metrics, layout.bytes_per_block)
-        self.disk: DiskIO | None = None
-        self.remote = None  # mover.remote_io.RemoteIO while a remote tier is configured and open
-        self._probing: asyncio.Task | None = None
-        self.slabs: CpuSlabs | None = None
-        self._engine: CopyEngine | None = None
+        self.dispatcher = Dispatcher(self._budget, self.metrics, layout.bytes_per_block)
+        # The factories are injected by a scheduler process (cross_process/): its slab is the shared
+        # segment and its engine sends the copies to the workers; everything else is this same cache.
+        self._res = CacheResources(
+            cfg,
+            layout,
+            self.keyer,
+            self._slots.get("disk"),
+            slabs_factory=slabs_factory,
+            engine_factory=engine_factory or self._local_engine,
+        )
+        self._tasks = TaskSet()
+        self._progress = Progress()  # every runner's plans wake its waiters
+        self._runners: Runners | None = None  # while the cache is open
         self.recovered_blocks = 0
-        self._progress: asyncio.Future[None] | None = None  # resolved (and replaced) whenever a plan completes
-        Lifecycle.__init__(self)
+        self.lifecycle = Lifecycle(
+            type(self).__name__,
+            self._tasks,
+            open_resources=self._open_resources,
+            release_resources=self._res.release,
+            reset_after_failed_start=self._reset_after_failed_start,
+        )
 
     def _new_manager(self) -> TierManager:
         cfg = self.config
         return TierManager(
-            self._slots["cpu"], self._slots.get("disk"), self._key_bytes, cfg.eviction.policy,
-            write_through=cfg.tiers.disk.spill_policy == "write_through", on_event=self._count_event,
-            staging_slots=self._staging, protect_share=cfg.eviction.protect_share,
+            self._slots["cpu"],
+            self._slots.get("disk"),
+            self._key_bytes,
+            cfg.eviction.policy,
+            write_through=cfg.tiers.disk.spill_policy == "write_through",
+            on_event=self.metrics.manager_event,
+            staging_slots=self._staging,
+            protect_share=cfg.eviction.protect_share,
             session_idle_s=cfg.eviction.session_idle_s,
-        )  # fmt: skip
+        )
 
-    def _count_event(self, kind: str, tier: str, n: int) -> None:
-        if kind == "evicted":
-            self.metrics.evicted[tier].inc(n)
-        elif kind == "dropped" and tier == "cpu":  # disk drops are counted where their error is seen
-            self.metrics.drop("cpu", "no_disk_room", n)
+    # -- what a started cache holds (cache_resources.py) --------------------------------
+    @property
+    def slabs(self) -> Any:
+        return self._res.slabs
 
-    # -- lifecycle (see lifecycle.Lifecycle: all or nothing, one close task) -------------
+    @property
+    def engine(self) -> CopyEngine | None:
+        """The copy engine between the GPU blocks and the CPU slab, while the cache is open."""
+        return self._res.engine
+
+    @property
+    def disk(self) -> Any:
+        return self._res.disk
+
+    @property
+    def remote(self) -> Any:
+        return self._res.remote
+
+    # -- lifecycle (lifecycle.py: all or nothing, one close task) -----------------------
+    async def start(self) -> TieredKVCache:
+        await self.lifecycle.start()
+        return self
+
+    async def aclose(self) -> None:
+        """Drain every in-flight move, then release threads, files and pinned memory. Idempotent."""
+        await self.lifecycle.aclose()
+
+    async def __aenter__(self) -> TieredKVCache:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
     async def _open_resources(self) -> None:
-        cfg = self.config
-        loop = asyncio.get_running_loop()
-        # Allocating and pinning a large slab takes seconds: keep it off the loop.
-        rows = cpu_rows(cfg, self.layout)  # the same number a shared segment is sized by
-        self.slabs = await loop.run_in_executor(None, self._slabs_factory, self.layout, rows)
-        if self._engine_factory is not None:
-            self._engine = engine = self._engine_factory(self.slabs)
-        else:
-            self._engine = engine = make_engine(cfg.transfer.engine, list(self.layout.regions), self.slabs.regions,
-                                                dma_rows=self.slabs.dma_rows)  # fmt: skip
-        self.mover.register("gpu", "cpu", store_handler(engine))
-        self.mover.register("cpu", "gpu", load_handler(engine))
-        for (src, dst), direction in ((("gpu", "cpu"), Direction.STORE), (("cpu", "gpu"), Direction.LOAD)):
-            inline, threaded = inline_handler(engine, direction), threaded_starter(engine, direction)
-            if inline is not None:
-                self.mover.register_inline(src, dst, inline)
-            if threaded is not None:
-                self.mover.register_threaded(src, dst, threaded)
-        if self._disk_ns is not None:
-            self.disk, recovered = await DiskIO.open(cfg.tiers.disk, self._disk_ns, self._slots["disk"],
-                                                     self.slabs, self.metrics, self._disk_degraded)  # fmt: skip
-            self.manager.disk.restore([b.key for b in recovered], [b.slot for b in recovered])
-            self.recovered_blocks = len(recovered)
-            self.mover.register("cpu", "disk", self.disk.write)
-            self.mover.register("disk", "cpu", self.disk.read)
-        if cfg.tiers.remote.enabled:
-            from .mover.remote_io import RemoteIO  # redis-py is an optional extra
+        await self._res.open(self.dispatcher, self.metrics, lambda: self.manager.stop_disk_writes())
+        recovered = self._res.recovered
+        self.manager.restore_disk([b.key for b in recovered], [b.slot for b in recovered])
+        self.recovered_blocks = len(recovered)
+        self._wire()
 
-            self.remote = remote = await RemoteIO.open(
-                cfg.tiers.remote, remote_namespace(self.keyer, self.layout), self.slabs, self.metrics,
-                remote_blocks(cfg, self.layout))  # fmt: skip
-            self.mover.register("cpu", "remote", remote.write)
-            self.mover.register("remote", "cpu", remote.read)
-            self.manager.remote_known = remote.known
-            self.manager.remote_write = cfg.tiers.remote.write
+    def _wire(self) -> None:
+        """Build the runners over the current manager and the open resources."""
+        if self.remote is not None:
+            self.manager.attach_remote(self.remote.known, self.config.tiers.remote.write)
+        self._runners = Runners.build(
+            self.manager,
+            self.dispatcher,
+            self.metrics,
+            self._tasks,
+            self._progress,
+            slab=self.slabs.slab_np,
+            bytes_per_block=self.layout.bytes_per_block,
+            max_promote=self._max_promote,
+            disk=self.disk,
+            remote=self.remote,
+        )
 
-    def _local_slabs(self, layout: KVLayout, rows: int) -> CpuSlabs:
-        cpu = self.config.tiers.cpu
-        return CpuSlabs(layout, rows, pin=cpu.pin_memory, pin_chunk=cpu.pin_chunk, device=layout.device)
-
-    def _disk_degraded(self) -> None:
-        self.manager.disk_writable = False
-
-    async def _release_resources(self) -> None:
-        """Release in reverse; slabs only after the copy engine has drained every copy."""
-        drained = self._engine is None
-        try:
-            if self._engine is not None:
-                await self._engine.aclose()  # waits for every copy first
-            drained = True
-            if self._probing is not None:
-                self._probing.cancel()
-            if self.remote is not None:
-                remote, self.remote = self.remote, None
-                await remote.aclose()
-            if self.disk is not None:
-                disk, self.disk = self.disk, None
-                await disk.store.aclose()
-        finally:
-            if self.slabs is not None and drained:  # never unregister memory a copy may still touch
-                self.slabs.release()
-                self.slabs = None
+    def _local_engine(self, slabs: CpuSlabs) -> CopyEngine:
+        regions = list(self.layout.regions)
+        return make_engine(self.config.transfer.engine, regions, slabs.regions, dma_rows=slabs.dma_rows)
 
     def _reset_after_failed_start(self) -> None:
         self.manager = self._new_manager()
@@ -189,7 +188,7 @@ class TieredKVCache(Moves, Lifecycle):
         wrong lengths cancel out are not detected here (checking each key would cost
         as much as the lookup), and can only miss.
         """
-        self._check_open()
+        self.lifecycle.check_open()
         if isinstance(keys, (bytes, bytearray, str)) or not isinstance(keys, Sequence):
             check_keys(keys, self._key_bytes)
         try:
@@ -204,7 +203,7 @@ class TieredKVCache(Moves, Lifecycle):
         m.hit["disk"].inc(result.disk)
         m.hit["remote"].inc(result.remote)
         if self.remote is not None and result.total < len(keys):
-            self._probe_later(keys[result.total :])
+            self.remote.probe_later(keys[result.total :], self._key_bytes, self._tasks)
         return result
 
     async def probe(self, keys: Sequence[bytes]) -> LookupResult:
@@ -212,27 +211,16 @@ class TieredKVCache(Moves, Lifecycle):
         holds, then look up. Without a remote tier this is ``lookup``. Never raises for Redis faults."""
         result = self.lookup(keys)
         if self.remote is not None and result.total < len(keys):
-            rest = keys[result.total :]
-            await self.remote.probe(key_rows(rest, self._key_bytes))
+            await self.remote.probe(key_rows(keys[result.total :], self._key_bytes))
             result = self.lookup(keys)
         return result
 
-    def _probe_later(self, keys: Sequence[bytes]) -> None:
-        """``lookup`` never waits on the network: unknown keys are probed in the background (one probe
-        at a time), so a later lookup of the same prefix, here or on the engine's next poll, sees them."""
-        if self._probing is not None and not self._probing.done():
-            return
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:  # called off the loop thread: nothing to schedule on
-            return
-        rows = key_rows(keys[:4096], self._key_bytes)
-        rows = rows[~self.remote.residency.known(rows)]
-        if len(rows) and not self.remote.store.degraded:
-            self._probing = self.spawn(self.remote.probe(rows), background=True)
-
     def touch(
-        self, keys: Sequence[bytes], *, session: str | int | None = None, expect_followup: bool = False,
+        self,
+        keys: Sequence[bytes],
+        *,
+        session: str | int | None = None,
+        expect_followup: bool = False,
         held: bool = False,
     ) -> None:
         """Mark resident keys as used, last first, so a prefix's head is the most recent.
@@ -247,11 +235,11 @@ class TieredKVCache(Moves, Lifecycle):
         recorded (the key's history, for the next time the engine stores it) and copies the engine
         loaded stay the first eviction candidates.
         """
-        self._check_open()
+        self.lifecycle.check_open()
         check_keys(keys, self._key_bytes)
         self.manager.touch(keys, held=bool(held))
         if session is not None:
-            self.manager.hint(_check_session(session), keys, bool(expect_followup))
+            self.manager.hint(check_session(session), keys, bool(expect_followup))
 
     def release(self, session: str | int) -> list[bytes]:
         """The session ended: its chain's blocks no live session shares become the first to evict.
@@ -259,21 +247,20 @@ class TieredKVCache(Moves, Lifecycle):
         They are dropped, never spilled, when room is needed. Returns those keys, so an
         engine can treat its own copies the same way. An unknown session returns [].
         """
-        self._check_open()
-        return self.manager.release(_check_session(session))
+        self.lifecycle.check_open()
+        return self.manager.release(check_session(session))
 
     async def wait_for(self, keys: Sequence[bytes]) -> LookupResult:
         """Wait until no key of the leading run is in flight; returns the lookup then."""
         result = self.lookup(keys)
         while result.pending:
-            op = _Op()
-            await self._wait_progress(op)
+            await self._progress.wait(MoveControl())
             result = self.lookup(keys)
         return result
 
     def tiers_of(self, keys: Sequence[bytes]) -> list[str]:
         """The tier each key is in: "cpu", "disk", "remote" (known to the remote residency filter) or ""."""
-        self._check_open()
+        self.lifecycle.check_open()
         check_keys(keys, self._key_bytes)
         return self.manager.tiers_of(keys)
 
@@ -286,29 +273,20 @@ class TieredKVCache(Moves, Lifecycle):
         races a copy (try again once they have finished). A remote tier that cannot be emptied
         (unreachable) is logged and counted; the local tiers are reset all the same.
         """
-        self._check_open()
-        busy = [t for t in self._tasks if not t.done() and t is not self._probing]
-        if busy or self._budget.used or getattr(self._engine, "inflight", 0):
+        self.lifecycle.check_open()
+        probing = self.remote.probing if self.remote is not None else None
+        busy = [t for t in self._tasks if not t.done() and t is not probing]
+        if busy or self._budget.used or getattr(self.engine, "inflight", 0):
             return False
         old = self.manager
         disk_slots = np.flatnonzero(old.disk.state == READY) if old.disk is not None else None
         self.manager = self._new_manager()  # the check above and this swap: no await between them
-        self.manager.disk_writable = old.disk_writable
+        if not old.disk_writable:
+            self.manager.stop_disk_writes()
+        self._wire()
         if self.remote is not None:
-            self.manager.remote_known = self.remote.known
-            self.manager.remote_write = self.config.tiers.remote.write
-        if self._probing is not None:
-            self._probing.cancel()
-        if self.disk is not None and disk_slots is not None and len(disk_slots):
-            self.disk.invalidate(disk_slots)
-            await self.disk.store.flush()  # journaled before the call returns: a restart recovers none
-        if self.remote is not None:
-            from .errors import RemoteError
-
-            try:
-                await self.remote.purge()
-            except RemoteError as exc:
-                log.warning("tiered_kv reset: the remote tier's namespace could not be emptied: %s", exc)
+            self.remote.stop_probing()
+        await self._runners.spills.forget(disk_slots)
         return True
 
     def copies_now(self, n_blocks: int) -> bool:
@@ -327,7 +305,7 @@ class TieredKVCache(Moves, Lifecycle):
             "bytes_per_block": self.layout.bytes_per_block,
             "inflight_bytes": self._budget.used,
             # Which copy the engine chose at start (table, table-direct, groups, host-rows): issue 38.
-            "copy_path": getattr(self._engine, "copy_path", None),
+            "copy_path": getattr(self.engine, "copy_path", None),
         }
         if self.remote is not None:
             out["remote"] = {"known": len(self.remote.residency), "degraded": self.remote.store.degraded}
@@ -347,7 +325,7 @@ class TieredKVCache(Moves, Lifecycle):
         """Every slot accounted for (tests call this after stress)."""
         self.manager.check_invariants()
 
-    # -- data path ----------------------------------------------------------------------
+    # -- data path (transfer/runners/) ---------------------------------------------------
     async def store(
         self,
         keys: Sequence[bytes],
@@ -372,23 +350,17 @@ class TieredKVCache(Moves, Lifecycle):
         ``compute``: see ``load``; the copies read the blocks only after it.
         """
         t0 = time.perf_counter()  # not loop.time(): uvloop's ticks in whole milliseconds
-        ids = self._check_args(keys, gpu_block_ids)
-        compute = self._compute_event(compute)
+        self.lifecycle.check_open()
+        ids = check_blocks(keys, gpu_block_ids, self._key_bytes, self.layout.num_blocks)
+        compute = compute_for(self.layout.device, compute)
         if len(prefix):
             check_keys(prefix, self._key_bytes)
         keys, prefix = list(keys), list(prefix)
         if session is not None:
-            self.manager.hint(_check_session(session), prefix + keys, bool(expect_followup))
-        if after is None:
-            result, plan = self._store_now(keys, ids, prefix)
-            if result is not None:
-                if not isinstance(result, StoreResult):
-                    result = await result  # the copy on the engine's thread (a cancel waits for it to land)
-                self.metrics.op_latency["store"].observe(time.perf_counter() - t0)
-                return result
-            return await self._run(lambda op: self._store_body(op, keys, ids, prefix, plan), "store", compute, t0)
-        self.manager.announce(keys)
-        return await self._run(lambda op: self._store_after(op, after, keys, ids, prefix), "store", compute)
+            self.manager.hint(check_session(session), prefix + keys, bool(expect_followup))
+        result = await self._runners.stores.store(keys, ids, prefix, after, compute)
+        self.metrics.op_latency["store"].observe(time.perf_counter() - t0)
+        return result
 
     async def load(
         self,
@@ -418,66 +390,9 @@ class TieredKVCache(Moves, Lifecycle):
         Ignored by the host engine (CPU tensors).
         """
         t0 = time.perf_counter()
-        ids = self._check_args(keys, gpu_block_ids)
-        compute = self._compute_event(compute)
-        keys = list(keys)
-        plan = None
-        if before_copy is None:
-            loaded, plan = self._load_now(keys, ids, bool(exclusive))
-            if loaded is not None:
-                if not isinstance(loaded, int):
-                    loaded = await loaded  # the copy on the engine's thread (a cancel waits for it to land)
-                self.metrics.op_latency["load"].observe(time.perf_counter() - t0)
-                return loaded
-
-        def body(op: _Op) -> Awaitable[int]:
-            op.before_copy = before_copy
-            return self._load_body(op, keys, ids, bool(exclusive), plan)
-
-        return await self._run(body, "load", compute, t0)
-
-    def _compute_event(self, compute: Compute) -> Compute:
-        """A stream becomes an event recorded at the call (CUDA tensors only); anything else is checked."""
-        if self.layout.device.type != "cuda":
-            check_compute(compute)
-            return None
-        return compute_event(compute)
-
-    def _check_args(self, keys: Sequence[bytes], gpu_block_ids: Sequence[int]) -> np.ndarray:
-        """Validate a call before anything is reserved; returns the block ids as an int64 array."""
-        self._check_open()
-        check_keys(keys, self._key_bytes)
-        ids = core.block_ids(gpu_block_ids, self.layout.num_blocks)  # one native pass for plain ints
-        if ids is None:
-            ids = check_block_ids(gpu_block_ids, self.layout.num_blocks)
-        if len(keys) != len(ids):
-            raise BlockIdError(f"{len(keys)} keys but {len(ids)} gpu_block_ids")
-        return ids
-
-    async def _run(self, body: Callable[[_Op], Awaitable[T]], op_name: str, compute: Compute = None,
-                   t0: float | None = None) -> T:  # fmt: skip
-        """Run a move as a task the cache owns; the caller waits for it, cancelled or not.
-
-        On cancellation the flag stops the move before its next copy, and the caller
-        still waits (shielded) until the copies already issued into or out of its
-        GPU blocks have landed: the engine reuses those blocks the moment we return.
-        """
-        op = _Op()
-        op.compute = compute
-        if t0 is None:
-            t0 = time.perf_counter()  # not loop.time(): uvloop's ticks in whole milliseconds
-        task = self.spawn(body(op))
-
-        def stop() -> None:
-            op.cancelled = True
-            if op.idle:  # waiting for room or another call: nothing reserved, nothing copying
-                task.cancel()
-
-        result = await wait_to_end(task, stop)
-        self.metrics.op_latency[op_name].observe(time.perf_counter() - t0)
-        return result
-
-def _check_session(session: object) -> str | int:
-    if isinstance(session, bool) or not isinstance(session, (str, int)):
-        raise HintError(f"session must be a str or int id, got {type(session).__name__}")
-    return session
+        self.lifecycle.check_open()
+        ids = check_blocks(keys, gpu_block_ids, self._key_bytes, self.layout.num_blocks)
+        compute = compute_for(self.layout.device, compute)
+        loaded = await self._runners.loads.load(list(keys), ids, bool(exclusive), before_copy, compute)
+        self.metrics.op_latency["load"].observe(time.perf_counter() - t0)
+        return loaded

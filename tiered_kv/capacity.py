@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .config import Config
+from .formats import REMOTE_HEADER_SIZE
 from .layout import KVLayout
 from .sizes import format_size
 
@@ -39,9 +40,7 @@ def cpu_rows(cfg: Config, layout: KVLayout) -> int:
 def remote_blocks(cfg: Config, layout: KVLayout) -> int:
     """Blocks the remote tier's capacity holds (each value is a header plus the block); an estimate for
     the plan and the residency filter's size: Redis's own maxmemory policy decides what it keeps."""
-    from .tiers.remote.format import HEADER_SIZE  # lazily: the tiers import config, which this imports
-
-    return cfg.tiers.remote.capacity // (layout.bytes_per_block + HEADER_SIZE)
+    return cfg.tiers.remote.capacity // (layout.bytes_per_block + REMOTE_HEADER_SIZE)
 
 
 def plan(cfg: Config, layout: KVLayout | None = None) -> dict[str, Any]:

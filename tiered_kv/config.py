@@ -21,12 +21,13 @@ from pydantic import (
     model_validator,
 )
 
-from .config_tiers import ByteSize, Section, TiersConfig
 from .core import core
 from .errors import ConfigError
+from .formats import DISK_HEADER_SIZE, align_up
 from .host_checks import SLOT_OVERHEAD_BYTES, disk_room, mem_available
-from .policy.window import GHOST_BYTES_PER_SLOT
+from .policy import GHOST_BYTES_PER_SLOT
 from .sizes import MAX_SIZE, format_size, parse_size
+from .tier_config import ByteSize, Section, TiersConfig
 
 # Element sizes of the KV dtypes we plan for; the names are torch's.
 DTYPE_BYTES: dict[str, int] = {
@@ -354,9 +355,7 @@ def check_host_resources(cfg: Config, bytes_per_block: int) -> None:
                 f"tiers.cpu.allow_overcommit: true"
             )
     if disk.enabled and not disk.allow_overcommit:
-        from .tiers.disk.format import HEADER_SIZE  # lazily: the tiers import this module
-
-        record = -(-(HEADER_SIZE + bytes_per_block) // 4096) * 4096
+        record = align_up(DISK_HEADER_SIZE + bytes_per_block)
         need = disk.capacity // bytes_per_block * record
         free = disk_room(Path(disk.path))
         if free is not None and need > free:

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 from .config import Config
 from .errors import ConfigError
+from .formats import DiskNamespace
+from .formats import remote_namespace as hashed_namespace
 from .keys import BlockKeyer, KeyNamespace
 from .layout import KVLayout
-from .tiers.disk.format import DiskNamespace
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,6 @@ def disk_namespace(keyer: BlockKeyer, layout: KVLayout) -> DiskNamespace:
 
 def remote_namespace(keyer: BlockKeyer, layout: KVLayout) -> str:
     """The remote tier's namespace: the same facts as the disk's, plus the tenant, hashed."""
-    from .tiers.remote.format import remote_namespace as hashed  # lazily: redis is an optional extra
-
     ns = keyer.namespace
-    return hashed(ns.model_id, ns.revision, ns.dtype, ns.layout_digest, layout.bytes_per_block,
+    return hashed_namespace(ns.model_id, ns.revision, ns.dtype, ns.layout_digest, layout.bytes_per_block,
                   keyer.key_bytes, ns.shard, ns.tenant_salt)  # fmt: skip

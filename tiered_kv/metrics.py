@@ -15,7 +15,7 @@ log = logging.getLogger("tiered_kv")
 
 TIERS = ("cpu", "disk", "remote")
 DIRECTIONS = ("gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk", "disk_to_cpu", "cpu_to_remote", "remote_to_cpu")
-# The remote tier's own per-operation results (the store counts them; the mover counts directions).
+# The remote tier's own per-operation results (the store counts them; the dispatcher counts directions).
 REMOTE_RESULTS = {"put": ("stored", "failed"), "get": ("hit", "miss", "corrupt", "failed"),
                   "exists": ("present", "absent", "failed")}
 _LATENCY_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -69,6 +69,13 @@ class CacheMetrics:
     def track_used_slots(self, tier: str, used) -> None:
         """Read the slot count at scrape time instead of updating a gauge on every move."""
         self.used_slots.labels(tier).set_function(used)
+
+    def manager_event(self, kind: str, tier: str, n: int) -> None:
+        """A tier manager's event (manager.EVENT_KINDS) of ``n`` blocks, as it counts here."""
+        if kind == "evicted":
+            self.evicted[tier].inc(n)
+        elif kind == "dropped" and tier == "cpu":  # disk drops are counted where their error is seen
+            self.drop("cpu", "no_disk_room", n)
 
     def drop(self, tier: str, cause: str, n: int = 1, detail: str = "") -> None:
         """Count blocks dropped because of an error; log at WARNING once per (tier, cause)."""

@@ -165,8 +165,8 @@ def test_unbound_layout_and_capacity_below_one_block(device):
 async def test_backpressure_bounds_bytes_in_flight(device):
     kv = make_kv(device=device)
     async with cache_for(kv, config(cpu_blocks=64, inflight=4 * 1024)) as cache:
-        if hasattr(cache._engine, "inline_bytes"):
-            cache._engine.inline_bytes = 0  # every copy goes to the engine's thread: bytes stay in flight a while
+        if hasattr(cache.engine, "inline_bytes"):
+            cache.engine.inline_bytes = 0  # every copy goes to the engine's thread: bytes stay in flight a while
         peak = 0
         stop = False
 

@@ -80,11 +80,11 @@ async def test_cancelled_store_frees_its_slots_only_after_the_copy(device):
     kv = make_kv(64, device)
     async with cache_for(kv, config(cpu_blocks=8)) as cache:
         gate = threading.Event()
-        if hasattr(cache._engine, "inline_bytes"):
+        if hasattr(cache.engine, "inline_bytes"):
             # The copy goes to the engine's thread (an inline one has no await to cancel), and waits
             # there behind a gate until the cancel has come: the copy is in flight when it does.
-            cache._engine.inline_bytes = 0
-            cache._engine._executors[Direction.STORE].submit(gate.wait, 10)
+            cache.engine.inline_bytes = 0
+            cache.engine._executors[Direction.STORE].submit(gate.wait, 10)
         keys = cache.keyer.keys_for_block_ids(range(8))
         for i, key in enumerate(keys):
             fill(kv, i, key)
@@ -115,5 +115,5 @@ async def test_aclose_drains_in_flight_work(device):
     await asyncio.sleep(0)
     await cache.aclose()
     assert all(t.done() for t in pending)
-    assert cache._engine.closed
+    assert cache.engine.closed
     await cache.aclose()

@@ -49,7 +49,7 @@ async def test_a_copy_too_large_to_run_inline_goes_to_the_thread_and_lands(devic
         pytest.skip("host engine only")
     kv = make_kv(64)
     async with cache_for(kv, config(cpu_blocks=8)) as cache:
-        cache._engine.inline_bytes = 0
+        cache.engine.inline_bytes = 0
         keys = cache.keyer.keys_for_block_ids(range(4))
         for i, key in enumerate(keys):
             fill(kv, i, key)
@@ -82,9 +82,9 @@ async def test_a_cancelled_threaded_store_waits_for_its_copy_then_discards_it(de
         pytest.skip("host engine only")
     kv = make_kv(64)
     async with cache_for(kv, config(cpu_blocks=8)) as cache:
-        cache._engine.inline_bytes = 0
+        cache.engine.inline_bytes = 0
         gate = threading.Event()
-        cache._engine._executors[Direction.STORE].submit(gate.wait, 10)  # the copy queues behind it
+        cache.engine._executors[Direction.STORE].submit(gate.wait, 10)  # the copy queues behind it
         keys = cache.keyer.keys_for_block_ids(range(4))
         store = asyncio.ensure_future(cache.store(keys, [0, 1, 2, 3]))
         await asyncio.sleep(0)

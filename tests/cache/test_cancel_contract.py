@@ -139,7 +139,7 @@ async def test_a_cancelled_load_waits_for_its_copy_before_raising(device):
         for i, k in enumerate(keys):
             write(kv, i, k)
         await cache.store(keys, list(range(NB // 2)))
-        engine = cache._engine
+        engine = cache.engine
         for _ in range(20):
             task = asyncio.ensure_future(cache.load(keys, list(range(NB // 2, NB))))
             while engine.inflight == 0 and not task.done():
@@ -162,14 +162,14 @@ async def test_lifecycle_start_is_all_or_nothing_and_close_is_one_task(tmp_path,
         cache.lookup([key(0)])  # before start
     with pytest.raises(tkv.TieredKVError):
         await cache.start()  # the disk tier cannot be opened: nothing may stay taken
-    assert cache.slabs is None and cache.disk is None and (cache._engine is None or cache._engine.closed)
+    assert cache.slabs is None and cache.disk is None and (cache.engine is None or cache.engine.closed)
     await holder.aclose()
     await cache.start()  # the same cache retries and succeeds
     assert cache.lookup([key(0)]).total == 0
     closers = [asyncio.ensure_future(cache.aclose()) for _ in range(3)]
     closers[0].cancel()  # a cancelled closer does not cut the close in half
     await asyncio.gather(*closers[1:])
-    assert cache.slabs is None and cache._state == "closed"
+    assert cache.slabs is None and cache.lifecycle.state == "closed"
     with pytest.raises(tkv.CacheClosedError):
         await cache.start()
     with pytest.raises(tkv.CacheClosedError):

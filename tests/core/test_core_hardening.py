@@ -23,8 +23,8 @@ from reference_core.twins import both, same_tier, tier_pair
 import tiered_kv as tkv
 from tiered_kv.core import core
 from tiered_kv.errors import TieredKVError
-from tiered_kv.keyindex import KeyTable
 from tiered_kv.manager.tier_index import READY, TierIndex
+from tiered_kv.tiers.remote.residency import KeyTable
 
 ROOT = Path(__file__).resolve().parents[2]
 KB = 32

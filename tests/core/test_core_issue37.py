@@ -20,7 +20,7 @@ from tiered_kv.core import core, seeds
 from tiered_kv.errors import TieredKVError, TransferError
 from tiered_kv.manager import TierManager
 from tiered_kv.manager.tier_index import FREE, READY, TierIndex, join_hierarchy
-from tiered_kv.policy.window import HIGH, LOW, START
+from tiered_kv.policy import HIGH, LOW, START
 
 KB = 32
 
@@ -117,7 +117,7 @@ def test_evict_refused_in_a_hierarchy_changes_nothing() -> None:
 BARE_PAIR = """
 import gc, hashlib
 from tiered_kv.core import core, seeds
-from tiered_kv.policy.window import HIGH, LOW, START
+from tiered_kv.policy import HIGH, LOW, START
 s = seeds()
 tier = lambda name: core.Tier(name, 4, 32, 1, s, START, LOW, HIGH)
 d = core.Domain(1, 4, 4, s, START, LOW, HIGH)

@@ -13,8 +13,8 @@ import weakref
 
 from test_core_hardening import run_isolated
 
-from tiered_kv.keyindex import KeyTable
 from tiered_kv.manager.tier_index import READY, TierIndex, join_hierarchy
+from tiered_kv.tiers.remote.residency import KeyTable
 
 KB = 32
 
@@ -67,7 +67,7 @@ def test_views_stay_valid_after_their_owners_are_freed() -> None:
     # tobytes() copies with memcpy (intercepted by ASan); find() reads the rows in the core itself.
     out = run_isolated(f"""
         import gc, hashlib, weakref
-        from tiered_kv.keyindex import KeyTable
+        from tiered_kv.tiers.remote.residency import KeyTable
         from tiered_kv.manager.tier_index import join_hierarchy
         ks = [hashlib.sha256(b"%d" % i).digest()[:{KB}] for i in range(300)]
         cpu, disk, domain = join_hierarchy("arc", 1024, 2048, {KB})

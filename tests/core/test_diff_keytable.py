@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from reference_core.keytable import KeyTable as RefKeyTable
 from reference_core.twins import both, same
 
-from tiered_kv.keyindex import KeyTable
+from tiered_kv.tiers.remote.residency import KeyTable
 
 KB = 16
 # Half the pool shares one 8-byte head: crafted keys, as a caller could send.

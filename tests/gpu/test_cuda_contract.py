@@ -23,7 +23,7 @@ from loop_cache import CacheThread
 import tiered_kv as tkv
 from tiered_kv.tiers.cpu import CpuSlabs
 from tiered_kv.transfer import CUDAStreamEngine, Direction
-from tiered_kv.transfer.staged import Staging
+from tiered_kv.transfer.engines.staged import Staging
 
 pytestmark = pytest.mark.gpu
 
@@ -191,7 +191,7 @@ async def test_store_then_load_of_one_slot_across_the_two_streams(parked):
     async with tkv.TieredKVCache(cache_config(32, 2 * WIDTH, 1), layout) as cache:  # one slot
         keys = cache.keyer.keys_for_block_ids([5])
         torch.cuda.synchronize()
-        stream = torch.cuda.current_stream() if parked == "compute" else cache._engine.stream(Direction.STORE)
+        stream = torch.cuda.current_stream() if parked == "compute" else cache.engine.stream(Direction.STORE)
         with torch.cuda.stream(stream):
             torch.cuda._sleep(SPIN_CYCLES)
         for t in kv.values():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tiered_kv.transfer import CUDAStreamEngine, table_kernel
+from tiered_kv.transfer.engines import CUDAStreamEngine, table_kernel
 
 pytestmark = pytest.mark.gpu
 

@@ -12,6 +12,7 @@ import numpy as np
 from tiered_kv.errors import TieredKVError
 from tiered_kv.manager import TierManager
 from tiered_kv.manager.plans import Located
+from tiered_kv.manager.state import TierState
 from tiered_kv.manager.tier_index import TierIndex
 
 from .domain_tier import join_hierarchy
@@ -19,18 +20,12 @@ from .tier_index import READY, RESERVED
 from .tier_index import TierIndex as RefTierIndex
 
 
-class RefManager(TierManager):
-    """The TierManager's own logic over the reference tier indexes (and the pure-Python locate it had)."""
+class RefState(TierState):
+    """The manager's state over the reference tier indexes, with the pure-Python locate it had."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.fused = False  # the general paths: the fused native ones must give the same answers
-        kb = self.key_bytes
-        if self.disk is not None:  # one policy over both tiers (native/domain.hpp)
-            self.cpu, self.disk, self.domain = join_hierarchy(self.cpu.policy.name, self.cpu.num_slots,
-                                                              self.disk.num_slots, kb)  # fmt: skip
-        else:
-            self.cpu = RefTierIndex("cpu", self.cpu.num_slots, kb, self.cpu.policy.name)
 
     def locate(self, rows: np.ndarray) -> Located:
         n = len(rows)
@@ -47,6 +42,19 @@ class RefManager(TierManager):
             disk_ready[rest] = (found >= 0) & (d_st == READY)
             pending[rest] = (found >= 0) & (d_st == RESERVED)
         return Located(cpu_s, (cpu_s >= 0) & (cpu_st == READY), d_s, disk_ready, pending)
+
+
+class RefManager(TierManager):
+    """The TierManager's own logic over the reference tier indexes (and the pure-Python locate it had)."""
+
+    state_type = RefState
+
+    @staticmethod
+    def new_tiers(policy: str, cpu_slots: int, disk_slots: int | None, key_bytes: int) -> tuple:
+        name = TierManager.new_tiers(policy, cpu_slots, disk_slots, key_bytes)[0].policy.name  # checked, as native
+        if disk_slots:  # one policy over both tiers (native/domain.hpp)
+            return join_hierarchy(name, cpu_slots, disk_slots, key_bytes)
+        return RefTierIndex("cpu", cpu_slots, key_bytes, name), None, None
 
 
 def tier_pair(name: str, num_slots: int, key_bytes: int, policy: str) -> tuple[RefTierIndex, TierIndex]:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tiered_kv.config_tiers import RemoteTierConfig
 from tiered_kv.metrics import CacheMetrics
+from tiered_kv.tier_config import RemoteTierConfig
 from tiered_kv.tiers.cpu import CpuSlabs
 
 REDIS = shutil.which("redis-server")

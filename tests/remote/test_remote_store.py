@@ -8,9 +8,9 @@ from redis_helpers import BPB, RedisServer, block_bytes, count, fill, key_rows, 
 
 from tiered_kv.errors import ConfigError, RemoteError
 from tiered_kv.manager import PromoteJob, SpillJob
-from tiered_kv.mover.remote_io import RemoteIO
 from tiered_kv.tiers.remote import HEADER_SIZE, RemoteResidency, RemoteStore
 from tiered_kv.tiers.remote.format import redis_keys
+from tiered_kv.transfer.handlers.remote_io import RemoteIO
 
 NS = "ns-test"
 

@@ -8,6 +8,7 @@ from redis_helpers import key_rows
 
 import tiered_kv as tkv
 from tiered_kv.errors import ConfigError, KeyFormatError
+from tiered_kv.formats import remote_namespace
 from tiered_kv.tiers.remote import RemoteResidency, redact
 from tiered_kv.tiers.remote.format import (
     HDTYPE,
@@ -16,7 +17,6 @@ from tiered_kv.tiers.remote.format import (
     encode_headers,
     namespace_digest,
     redis_keys,
-    remote_namespace,
     row_sums,
 )
 

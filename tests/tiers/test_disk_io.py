@@ -1,4 +1,4 @@
-"""DiskIO, the mover's CPU <-> disk handler: one store batch per job, and what it counts when blocks fail.
+"""DiskIO, the CPU <-> disk handler (transfer/handlers/disk_io.py): one store batch per job, and what it counts when blocks fail.
 
 Real objects only: a DiskStore on tmp_path, the CPU tier's slab (CpuSlabs, unpinned), CacheMetrics.
 """
@@ -17,9 +17,9 @@ import tiered_kv as tkv
 from tiered_kv.errors import DiskError
 from tiered_kv.manager import PromoteJob, SpillJob
 from tiered_kv.metrics import CacheMetrics
-from tiered_kv.mover import DiskIO
 from tiered_kv.tiers.cpu import CpuSlabs
 from tiered_kv.tiers.disk import DiskNamespace, DiskStore
+from tiered_kv.transfer.handlers import DiskIO
 
 BPB = 8192 + 512
 NS = DiskNamespace("io-model", "uint8", "io-layout", BPB, 32)

@@ -13,7 +13,7 @@ import tiered_kv as tkv
 from tiered_kv import config as config_module
 from tiered_kv import host_checks
 from tiered_kv.host_checks import mem_available
-from tiered_kv.policy.window import GHOST_BYTES_PER_SLOT
+from tiered_kv.policy import GHOST_BYTES_PER_SLOT
 from tiered_kv.sizes import parse_size
 
 ROOT = Path(__file__).resolve().parents[2]

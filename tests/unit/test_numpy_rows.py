@@ -14,7 +14,7 @@ import torch
 
 from tiered_kv.core import core
 from tiered_kv.errors import TransferError
-from tiered_kv.transfer.numpy_rows import NumpyRowEngine
+from tiered_kv.transfer.engines.numpy_rows import NumpyRowEngine
 
 ROOT = Path(__file__).parents[2]
 
@@ -71,8 +71,8 @@ PROBE = textwrap.dedent("""
     import asyncio, os, sys
     import numpy as np, torch
     from concurrent.futures import ThreadPoolExecutor
-    from tiered_kv.transfer.host import HostCopyEngine
-    from tiered_kv.transfer.numpy_rows import NumpyRowEngine
+    from tiered_kv.transfer.engines.host import HostCopyEngine
+    from tiered_kv.transfer.engines.numpy_rows import NumpyRowEngine
     kind = sys.argv[1]
     torch.mm(torch.randn(256, 256), torch.randn(256, 256))  # the main thread's pool is up
     gpu = [torch.randint(0, 255, (256, 32768), dtype=torch.uint8) for _ in range(2)]

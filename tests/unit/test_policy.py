@@ -14,7 +14,14 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from reference_core.policy.tagtable import TagTable
 
 from tiered_kv.errors import ConfigError
-from tiered_kv.policy import POLICIES, ARCPolicy, EvictionPolicy, LRUPolicy, WindowPolicy, make_policy
+from tiered_kv.replay.policies import (
+    POLICIES,
+    ARCPolicy,
+    EvictionPolicy,
+    LRUPolicy,
+    WindowPolicy,
+    make_policy,
+)
 
 
 def A(*slots: int) -> np.ndarray:

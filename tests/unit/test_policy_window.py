@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from reference_core.policy.window import WindowGhosts
 
 from tiered_kv.errors import ConfigError
-from tiered_kv.policy import WindowPolicy, make_policy
+from tiered_kv.replay.policies import WindowPolicy, make_policy
 
 
 def A(*slots: int) -> np.ndarray:

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from tiered_kv.transfer.index_ring import IndexRing
-from tiered_kv.transfer.staged import Lanes, Staging, enqueue_load, enqueue_store, host_slabs
+from tiered_kv.transfer.engines.index_ring import IndexRing
+from tiered_kv.transfer.engines.staged import Lanes, Staging, enqueue_load, enqueue_store, host_slabs
 
 WIDTHS = (64, 300, 8)
 

@@ -13,10 +13,17 @@ import pytest
 import torch
 
 from tiered_kv.errors import ConfigError, LayoutError
-from tiered_kv.transfer import table_kernel
-from tiered_kv.transfer.index_ring import IndexRing
-from tiered_kv.transfer.staged import HostSlab, Staging, enqueue_load, enqueue_store, gpu_groups, host_slabs
-from tiered_kv.transfer.table import DeviceIds, build_table, choose_path, enqueue_table
+from tiered_kv.transfer.engines import table_kernel
+from tiered_kv.transfer.engines.index_ring import IndexRing
+from tiered_kv.transfer.engines.staged import (
+    HostSlab,
+    Staging,
+    enqueue_load,
+    enqueue_store,
+    gpu_groups,
+    host_slabs,
+)
+from tiered_kv.transfer.engines.table import DeviceIds, build_table, choose_path, enqueue_table
 
 CPU = torch.device("cpu")
 needs_triton = pytest.mark.skipif(not table_kernel.available(),

@@ -17,8 +17,8 @@ from tiered_kv.errors import ConfigError, LayoutError, TransferError
 from tiered_kv.layout import KVLayout
 from tiered_kv.tiers.cpu import CpuSlabs
 from tiered_kv.transfer import CopyEngine, HostCopyEngine, make_engine
-from tiered_kv.transfer.bridge import EventBridge
-from tiered_kv.transfer.staged import Staging, enqueue_load, enqueue_store, gpu_groups, host_slabs
+from tiered_kv.transfer.engines.bridge import EventBridge
+from tiered_kv.transfer.engines.staged import Staging, enqueue_load, enqueue_store, gpu_groups, host_slabs
 
 BLOCK_BYTES = (4096, 300, 64)
 NUM_BLOCKS = 40
@@ -312,7 +312,7 @@ async def test_compute_must_be_an_event_or_a_stream(rig):
 
 def test_the_generic_torch_event_vllm_records_is_accepted():
     """Defect E (issue 27): vLLM orders its own copies with ``torch.Event``, a class unrelated to torch.cuda.Event."""
-    from tiered_kv.transfer.base import check_compute, compute_event, is_event
+    from tiered_kv.transfer.engines.base import check_compute, compute_event, is_event
 
     event = torch.Event()
     assert not isinstance(event, torch.cuda.Event) and is_event(event)

@@ -1,7 +1,7 @@
 """Disk spill and promote through TieredKVCache vs raw ``os.pwritev`` / ``os.preadv`` of the same bytes.
 
 Ours is the cache's whole disk path: a ``store`` into a full CPU tier evicts
-dirty blocks, which the mover spills (CPU slab rows -> DiskIO -> DiskStore) to
+dirty blocks, which the spill runner writes (CPU slab rows -> DiskIO -> DiskStore) to
 a full disk tier that recycles its slots; a ``load`` of a prefix that lives
 only on disk promotes it (disk -> CPU slots) before the copy to the engine.
 Its time is what the cache itself records for the ``cpu_to_disk`` /
@@ -173,7 +173,7 @@ def _took(cache, direction: str, before: tuple[float, float], nbytes: int) -> fl
 
 
 def bench_disk_store(directory: str, *, quick: bool) -> dict:
-    """The DiskStore alone (no cache, no mover) vs the same syscalls, and restart recovery: the disk tier's
+    """The DiskStore alone (no cache, no runners) vs the same syscalls, and restart recovery: the disk tier's
     own bench, run here so one `tiered-kv bench` shows where the cache-level figures lose their time."""
     from .disk_store import bench_disk as store_bench
     from .disk_store import bench_recovery

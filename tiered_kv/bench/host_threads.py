@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from ..loops import run as run_loop
-from ..transfer.host import HostCopyEngine
-from ..transfer.numpy_rows import NumpyRowEngine
+from ..transfer.engines.host import HostCopyEngine
+from ..transfer.engines.numpy_rows import NumpyRowEngine
 
 MODES = ("none", "torch", "numpy")
 

@@ -17,9 +17,9 @@ import time
 import numpy as np
 import torch
 
-from ..transfer.index_ring import IndexRing
-from ..transfer.staged import Staging, enqueue_store, gpu_groups, host_slabs
-from ..transfer.table import DeviceIds, build_table, enqueue_table
+from ..transfer.engines.index_ring import IndexRing
+from ..transfer.engines.staged import Staging, enqueue_store, gpu_groups, host_slabs
+from ..transfer.engines.table import DeviceIds, build_table, enqueue_table
 
 REGIONS = (8, 64, 128)
 

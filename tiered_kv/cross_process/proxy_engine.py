@@ -33,8 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import TransferError
-from ..transfer import CopyHandle, Direction
-from ..transfer.base import check_id_arrays
+from ..transfer.engines.base import CopyHandle, Direction, check_id_arrays
 from .shard_jobs import LOAD, STORE, ShardJob
 
 log = logging.getLogger(__name__)

@@ -36,9 +36,9 @@ from ..tiers.fs_kind import check_pinnable
 from ..tiers.pinning import HostRegistration, pin_chunks, warn_if_memlock_low
 from ..tiers.segment_geometry import SegmentInfo, storage_ranks
 from ..tiers.shared_cpu import SharedSegment
-from ..transfer import CopyEngine, CUDAStreamEngine
-from ..transfer.base import compute_event
-from ..transfer.numpy_rows import NumpyRowEngine
+from ..transfer import CUDAStreamEngine
+from ..transfer.engines.base import CopyEngine, compute_event
+from ..transfer.engines.numpy_rows import NumpyRowEngine
 from .shard_jobs import STORE, ShardJob
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,6 @@
-"""The synchronous tier manager: indexes, policies, pins and placement, no I/O and no awaits."""
+"""The synchronous tier manager: indexes, policies, pins and placement, no I/O and no awaits.
+
+The plan and finish phases of every move: transfer/ executes what it plans."""
 
 from .manager import EVENT_KINDS, TierManager
 from .plans import LoadPlan, LookupResult, PromoteJob, SpillJob, StorePlan

@@ -1,4 +1,4 @@
-"""What the tier manager hands the mover: batches of slots and ids, never an object per block."""
+"""What the tier manager hands the runners (transfer/runners/): batches of slots and ids, never an object per block."""
 
 from __future__ import annotations
 

@@ -31,8 +31,7 @@ import numpy as np
 
 from ..core import core, seeds
 from ..errors import ConfigError, TieredKVError
-from ..policy.native import KINDS
-from ..policy.window import HIGH, LOW, START
+from ..policy import HIGH, KINDS, LOW, START
 
 FREE, RESERVED, READY = core.FREE, core.RESERVED, core.READY
 EMPTY = np.empty(0, dtype=np.int64)

@@ -30,9 +30,9 @@ from typing import Any
 
 from ..cache import TieredKVCache
 from ..config import Config, load_config
-from ..config_tiers import RemoteTierConfig
 from ..errors import ConfigError
 from ..loops import run as run_loop
+from ..tier_config import RemoteTierConfig
 from .engine import EngineEmulator, EngineStats
 from .instance import new_cache, new_emulator
 from .run import (
@@ -322,7 +322,7 @@ async def _primaries(cfg: RemoteTierConfig, kw: dict[str, Any]) -> list[tuple[st
 
     from redis.asyncio.cluster import ClusterNode, RedisCluster
 
-    from ..tiers.remote.url import split_node
+    from ..redis_url import split_node
 
     url = urlsplit(cfg.url)
     seeds = [split_node(s) for s in cfg.nodes] or [(url.hostname or "127.0.0.1", url.port or 6379)]

@@ -20,7 +20,7 @@ is not a multiple of ``block_tokens`` (a partial block is never reused as such,
 so storing it only costs a slot). The block still counts as a reference, may
 still hit, and is touched if some other request stored it whole.
 
-``simulate_policy`` drives the real policy classes (``tiered_kv.policy``) over a
+``simulate_policy`` drives the real policy classes (``tiered_kv.replay.policies``) over a
 flat cache, one batch per request, the way the tier manager does: the request's
 resident blocks are pinned while the evictions its new blocks need are taken
 (all at once, before any insert), then the request's blocks, last block first,
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tiered_kv.errors import ConfigError
-from tiered_kv.policy import make_policy
+from tiered_kv.replay.policies import make_policy
 from tiered_kv.replay.trace import Request
 
 __all__ = [

@@ -1,49 +1,15 @@
-"""Transfer engines: copy whole KV blocks between GPU blocks and CPU slots.
+"""Everything that moves bytes, in three layers, each calling only the one below it:
 
-``make_engine("auto", gpu_regions, cpu_regions)`` picks the CUDA stream engine
-when the GPU regions live on CUDA, else the host (CPU thread) engine.
+* ``runners/``: execute a plan of the tier manager (store, load, spill), in order, and hand the
+  outcome back to the manager to finish (plan and finish are the manager's, synchronous);
+* ``handlers/``: one handler per (source medium, destination medium) and the ``Dispatcher`` that
+  runs a job through it under the in-flight byte budget;
+* ``engines/``: the copy engines between GPU blocks and CPU slots (host threads, CUDA streams).
+
+The engines' names are re-exported here for code that drives copies directly.
 """
 
-from __future__ import annotations
+from . import engines
+from .engines import *  # noqa: F403 - the engines' names, for code that drives copies directly
 
-from collections.abc import Sequence
-from typing import get_args
-
-import torch
-
-from tiered_kv.config import EngineKind
-from tiered_kv.errors import ConfigError
-from tiered_kv.transfer.base import CopyEngine, CopyHandle, Direction, validate_regions
-from tiered_kv.transfer.cuda import CUDAStreamEngine
-from tiered_kv.transfer.host import HostCopyEngine
-
-ENGINE_KINDS: tuple[str, ...] = get_args(EngineKind)
-
-__all__ = [
-    "ENGINE_KINDS",
-    "CUDAStreamEngine",
-    "CopyEngine",
-    "CopyHandle",
-    "Direction",
-    "HostCopyEngine",
-    "make_engine",
-    "validate_regions",
-]
-
-
-def make_engine(
-    kind: str, gpu_regions: Sequence[torch.Tensor], cpu_regions: Sequence[torch.Tensor], *,
-    dma_rows: int | None = None,
-) -> CopyEngine:  # fmt: skip
-    """Build the copy engine named by ``kind`` ("auto" | "host" | "cuda").
-
-    ``dma_rows``: rows per registered chunk of a pinned slab (``CpuSlabs.dma_rows``), for the CUDA engine.
-    """
-    if kind == "auto":
-        on_cuda = bool(gpu_regions) and gpu_regions[0].device.type == "cuda"
-        kind = "cuda" if on_cuda else "host"
-    if kind == "host":
-        return HostCopyEngine(gpu_regions, cpu_regions)
-    if kind == "cuda":
-        return CUDAStreamEngine(gpu_regions, cpu_regions, dma_rows=dma_rows)
-    raise ConfigError(f"transfer engine kind must be one of {', '.join(ENGINE_KINDS)}; got {kind!r}")
+__all__ = engines.__all__

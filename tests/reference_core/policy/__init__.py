@@ -1,4 +1,4 @@
-"""The reference model's policies (numpy), by name, as tiered_kv.policy.make_policy builds the native ones."""
+"""The reference model's policies (numpy), by name, as tiered_kv.replay.policies.make_policy builds the native ones."""
 
 from __future__ import annotations
 

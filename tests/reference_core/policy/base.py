@@ -1,11 +1,11 @@
-"""The reference policies' shared helpers; the interface and argument checks are tiered_kv.policy.base's."""
+"""The reference policies' shared helpers; the interface and argument checks are tiered_kv.replay.policies.base's."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from tiered_kv.errors import SlotError
-from tiered_kv.policy.base import (  # noqa: F401 - re-exported to the reference policies
+from tiered_kv.replay.policies.base import (  # noqa: F401 - re-exported to the reference policies
     EMPTY,
     MAX_SLOTS,
     EvictionPolicy,

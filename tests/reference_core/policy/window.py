@@ -1,4 +1,4 @@
-"""Reference model of the adaptive-window policy (tiered_kv/policy/window.py says what it does), in numpy."""
+"""Reference model of the adaptive-window policy (tiered_kv/policy.py says what it does), in numpy."""
 
 from __future__ import annotations
 

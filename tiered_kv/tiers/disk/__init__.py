@@ -2,7 +2,7 @@
 
 Modules: format (on-disk layout), files (trusted files, full writes), records (batched vectored record
 I/O), journal + recovery (commit log and its replay), admin (namespace dirs: open, list, gc), store
-(DiskStore, the async batch API).
+(DiskStore, the async batch API) and batch_args (its batches' arguments, checked before any I/O).
 """
 
 from .format import DiskNamespace

@@ -25,8 +25,7 @@ import aiofiles
 import aiofiles.os
 from aiofiles.threadpool.binary import AsyncFileIO
 
-from tiered_kv.lifecycle import wait_to_end
-
+from ...owned_tasks import wait_to_end
 from .files import create_fresh, open_private
 
 T = TypeVar("T")

@@ -22,24 +22,22 @@ No event loop and no I/O here (record I/O: records.py; file primitives: files.py
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
-from dataclasses import asdict, dataclass
 
 import numpy as np
 import xxhash
 
-from tiered_kv.errors import ConfigError
+from ...errors import ConfigError
+from ...formats import DISK_FORMAT_NAME as FORMAT_NAME
+from ...formats import DISK_FORMAT_VERSION as FORMAT_VERSION
+from ...formats import DISK_HEADER_SIZE as HEADER_SIZE
+from ...formats import DiskNamespace
 
 NS_FILE, DATA_FILE, JOURNAL_FILE, LOCK_FILE = "namespace.json", "blocks.dat", "journal.tkv", "lock"
-FORMAT_NAME = "tiered_kv.disk"
-FORMAT_VERSION = 1
-ALIGN = 4096
 
 # ---- block record header -------------------------------------------------------------------------
 BLOCK_MAGIC = b"TKVB"
-HEADER_SIZE = 128
 # magic, version, key_len, flags, slot, reserved, payload_len, seq, payload_xxh, key; then zero pad.
 _HDR = struct.Struct("<4sHBBIIQQQ32s48x")
 _U64 = struct.Struct("<Q")
@@ -63,43 +61,6 @@ JDTYPE = np.dtype(
 _JKEY = 24  # byte offset of the key inside a journal record
 
 _xxh = xxhash.xxh3_64_intdigest
-
-
-def align_up(n: int, a: int = ALIGN) -> int:
-    return (n + a - 1) // a * a
-
-
-@dataclass(frozen=True)
-class DiskNamespace:
-    """What a disk directory's blocks mean: blocks from another model, dtype or layout never mix."""
-
-    model_id: str
-    dtype: str
-    layout_digest: str
-    bytes_per_block: int
-    key_bytes: int  # 32 (sha256) or 16 (xxh3-128)
-    revision: str = ""  # the model revision (weights change -> another namespace)
-    shard: str = ""  # the engine's shard, e.g. "tp1of2": ranks never read each other's shards
-
-    def __post_init__(self) -> None:
-        for name in ("model_id", "dtype", "layout_digest"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise ConfigError(f"DiskNamespace.{name} must be a non-empty string, got {getattr(self, name)!r}")
-        if not isinstance(self.bytes_per_block, int) or self.bytes_per_block <= 0:
-            raise ConfigError(f"DiskNamespace.bytes_per_block must be a positive int, got {self.bytes_per_block!r}")
-        if self.key_bytes not in (16, 32):
-            raise ConfigError(f"DiskNamespace.key_bytes must be 16 or 32, got {self.key_bytes!r}")
-
-    def canonical(self) -> dict:
-        return {**asdict(self), "format": FORMAT_NAME, "format_version": FORMAT_VERSION}
-
-    def dirname(self) -> str:
-        blob = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":")).encode()
-        return "ns-" + hashlib.sha256(blob).hexdigest()[:20]
-
-    @property
-    def record_size(self) -> int:
-        return align_up(HEADER_SIZE + self.bytes_per_block)
 
 
 def namespace_json(ns: DiskNamespace, created_unix: float) -> bytes:

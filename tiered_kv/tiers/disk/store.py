@@ -43,10 +43,11 @@ from typing import Any, NamedTuple
 import numpy as np
 from aiofiles.threadpool.binary import AsyncFileIO
 
-from tiered_kv.errors import ConfigError, DiskError, KeyFormatError, LayoutError
+from tiered_kv.errors import ConfigError, DiskError, LayoutError
 
 from .admin import open_namespace_dir
 from .aio import DiskCalls
+from .batch_args import check_batch, check_keys, slot_array
 from .files import probe_aligned_read
 from .format import DATA_FILE, DiskNamespace, check_header, check_headers, encode_headers
 from .journal import Journal, journal_limit
@@ -196,7 +197,7 @@ class DiskStore:
         batch: then no block of it is committed, and slots it was overwriting may have lost their old blocks.
         """
         d, c = self._check_batch(disk_slots, cpu_slots, src, writable=False)
-        keys = self._check_keys(keys, len(d))
+        keys = check_keys(keys, len(d), self._kb)
         if len(np.unique(d)) != len(d):
             raise LayoutError(f"disk slots of one write batch must be distinct; got {len(d) - len(np.unique(d))} "
                               f"repeated among {len(d)}")  # fmt: skip
@@ -238,7 +239,7 @@ class DiskStore:
         not fit, DiskError for a fault of the batch (EIO), once nothing of it is in flight.
         """
         d, c = self._check_batch(disk_slots, cpu_slots, dst, writable=True)
-        keys = self._check_keys(keys, len(d))
+        keys = check_keys(keys, len(d), self._kb)
         if len(np.unique(c)) != len(c):
             raise LayoutError(f"cpu slots of one read batch must be distinct; got {len(c) - len(np.unique(c))} "
                               f"repeated among {len(c)}")  # fmt: skip
@@ -273,7 +274,7 @@ class DiskStore:
         intact and verified on read (its bytes are only overwritten after the record is journaled).
         """
         self._check_open()
-        s = self._slot_array(slots, "slots", self.num_slots)
+        s = slot_array(slots, "slots", self.num_slots)
         if len(s):
             self._journal.queue_invalidate(s)
 
@@ -287,38 +288,11 @@ class DiskStore:
         if self._closed or self._calls is None or self._dfd < 0:
             raise DiskError(errno.EBADF, "disk store is not open", self.path)
 
-    def _slot_array(self, a: Any, name: str, limit: int) -> np.ndarray:
-        arr = np.asarray(a)
-        if arr.ndim != 1 or (arr.dtype.kind not in "iu" and arr.size):
-            raise LayoutError(f"{name} must be a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}")
-        arr = arr.astype(np.int64, copy=False)
-        if len(arr) and (arr.min() < 0 or arr.max() >= limit):
-            bad = int(arr[(arr < 0) | (arr >= limit)][0])
-            raise LayoutError(f"{name}: slot {bad} out of range [0, {limit})")
-        return arr
-
-    def _check_batch(self, disk_slots: Any, cpu_slots: Any, slab: Any, *, writable: bool
-                     ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    def _check_batch(
+        self, disk_slots: Any, cpu_slots: Any, slab: Any, *, writable: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
         self._check_open()
-        if not _slab_ok(slab, self._bpb):
-            raise LayoutError(f"the slab must be a C-contiguous uint8 [rows, {self._bpb}] array, or a uint8 [rows, "
-                              f"ranks, shard] block view with ranks x shard = {self._bpb} (bytes_per_block) and "
-                              f"dense shard rows; got {getattr(slab, 'dtype', type(slab).__name__)} "
-                              f"{getattr(slab, 'shape', '')} strides {getattr(slab, 'strides', '')}")  # fmt: skip
-        if writable and not slab.flags.writeable:
-            raise LayoutError("the slab is read-only; read_many needs to write into it")
-        d = self._slot_array(disk_slots, "disk_slots", self.num_slots)
-        c = self._slot_array(cpu_slots, "cpu_slots", slab.shape[0])
-        if len(d) != len(c):
-            raise LayoutError(f"{len(d)} disk slots but {len(c)} cpu slots in one batch")
-        return d, c
-
-    def _check_keys(self, keys: Any, n: int) -> np.ndarray:
-        if not (isinstance(keys, np.ndarray) and keys.dtype == np.uint8 and keys.shape == (n, self._kb)):
-            raise KeyFormatError(f"disk tier keys must be a uint8 [{n}, {self._kb}] array (key_bytes "
-                                 f"{self._kb}); got {getattr(keys, 'dtype', type(keys).__name__)} "
-                                 f"{getattr(keys, 'shape', '')}")  # fmt: skip
-        return keys
+        return check_batch(disk_slots, cpu_slots, slab, self.num_slots, self._bpb, writable=writable)
 
     # ---- the protocols (each runs as one shielded task) -----------------------------------------------
     async def _open_files(self) -> list[RecoveredBlock]:
@@ -405,14 +379,3 @@ class DiskStore:
             why = check_header(headers[i].tobytes(), slot, keys[i].tobytes(), self._bpb)[1] or "payload checksum mismatch"
             whys.append(f"slot {slot}: {'short read' if not whole[i] else why}")
         return ok, whys, syscalls
-
-
-def _slab_ok(slab: Any, bpb: int) -> bool:
-    """A 2-D C-contiguous slab of whole blocks, or a 3-D block view whose every rank piece is a dense row
-    (tiers/segment_geometry.py: the shared segment's sub-slabs); records.SlabParts reads either."""
-    if not (isinstance(slab, np.ndarray) and slab.dtype == np.uint8):
-        return False
-    if slab.ndim == 2:
-        return slab.shape[1] == bpb and slab.flags.c_contiguous
-    return slab.ndim == 3 and slab.shape[1] * slab.shape[2] == bpb and slab.strides[2] == 1 and \
-        min(slab.strides[:2]) >= slab.shape[2]  # fmt: skip

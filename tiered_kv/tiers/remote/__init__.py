@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .format import HEADER_SIZE, remote_namespace
-from .url import redact
+from ...formats import remote_namespace
+from ...redis_url import redact
+from .format import HEADER_SIZE
 
 if TYPE_CHECKING:
     from .residency import RemoteResidency

@@ -15,8 +15,8 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ...config_tiers import RemoteTierConfig
 from ...errors import ConfigError, RemoteError
+from ...tier_config import RemoteTierConfig
 
 try:
     from redis.asyncio import ConnectionPool
@@ -27,7 +27,7 @@ try:
     from redis.retry import Retry
 except ImportError as e:  # an extra: say how to get it instead of a bare ModuleNotFoundError
     raise RemoteError(f"tiers.remote needs redis-py: pip install 'tiered_kv[remote]' ({e})") from e
-from .url import redact, split_node
+from ...redis_url import redact, split_node
 
 Reply = Any  # bytes, int, None, or the ResponseError the server answered
 

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import binascii
 import hashlib
-import json
 
 import numpy as np
 import xxhash
 
+from ...formats import REMOTE_FORMAT_VERSION as VERSION
+from ...formats import REMOTE_HEADER_SIZE as HEADER_SIZE
+
 MAGIC = b"TKVR"
-VERSION = 1
-HEADER_SIZE = 80
 MAX_KEY_BYTES = 32
 HDTYPE = np.dtype(
     [("magic", "S4"), ("version", "<u2"), ("key_len", "u1"), ("flags", "u1"), ("plen", "<u8"),
@@ -35,16 +35,6 @@ HDTYPE = np.dtype(
 _KEY_AT = 40  # byte offset of the key in a header
 
 _xxh = xxhash.xxh3_64_intdigest
-
-
-def remote_namespace(model_id: str, revision: str, dtype: str, layout_digest: str, bytes_per_block: int,
-                     key_bytes: int, shard: str, tenant_salt: str = "") -> str:  # fmt: skip
-    """``ns-<24 hex>``: a hash of everything that decides what a block's bytes mean (and the tenant)."""
-    doc = {"format": "tiered_kv.remote", "version": VERSION, "model_id": model_id, "revision": revision,
-           "dtype": dtype, "layout_digest": layout_digest, "bytes_per_block": bytes_per_block,
-           "key_bytes": key_bytes, "shard": shard, "tenant": hashlib.sha256(tenant_salt.encode()).hexdigest()}
-    blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-    return "ns-" + hashlib.sha256(blob).hexdigest()[:24]
 
 
 def namespace_digest(namespace: str) -> bytes:

@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from ...config_tiers import RemoteTierConfig
 from ...errors import KeyFormatError, RemoteError, SlotError, TieredKVError
 from ...metrics import CacheMetrics
+from ...tier_config import RemoteTierConfig
 from ..cpu import CpuSlabs
 from ..slab_parts import SlabParts, xxh_parts
 from .client import Connections, Node, OutOfMemoryError, Reply, ResponseError, read_password

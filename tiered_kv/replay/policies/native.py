@@ -12,12 +12,12 @@ from typing import ClassVar
 
 import numpy as np
 
-from ..core import core
-from ..errors import SlotError
+from ...core import core
+from ...errors import SlotError
+from ...policy import KINDS
 from .base import EvictionPolicy, as_slots, check_evict_n, check_num_slots, check_pins
 
 KeyTag = Callable[[np.ndarray], np.ndarray]
-KINDS = {"lru": 0, "arc": 1, "window": 2}
 
 
 class NativePolicy(EvictionPolicy):

@@ -25,9 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from tiered_kv.core import core
-from tiered_kv.errors import LayoutError, TransferError
-from tiered_kv.transfer.base import Compute, CopyEngine, CopyHandle, Direction
+from ...core import core
+from ...errors import LayoutError, TransferError
+from .base import Compute, CopyEngine, CopyHandle, Direction
 
 log = logging.getLogger(__name__)
 

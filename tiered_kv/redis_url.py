@@ -1,7 +1,7 @@
 """Redis URLs: checked without any network, and shown without a password.
 
-Kept free of other tiered_kv imports so that config.py can use it while the
-tiers package is still importing.
+Below the tiers (it imports nothing of tiered_kv): the config checks ``tiers.remote.url`` with it
+and the remote tier's connections use the same parsing.
 """
 
 from __future__ import annotations

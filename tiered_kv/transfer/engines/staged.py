@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tiered_kv.errors import LayoutError
+from ...errors import LayoutError
 
 # Widest element type first: the device index kernels move one element per
 # thread, so int64 rows move 8x fewer elements than uint8 rows.
@@ -202,7 +202,7 @@ class Lanes:
     """Where a staged chunk's two halves run: the device kernel (gather, scatter) and the DMA.
 
     This base runs both on the current stream (and on the CPU), where order is program order and every
-    hook is a no-op. ``CudaLanes`` (transfer/cuda.py) puts the DMAs on a stream of their own; before a
+    hook is a no-op. ``CudaLanes`` (transfer/engines/cuda.py) puts the DMAs on a stream of their own; before a
     lane touches staging buffer ``b`` it waits for the other lane's last use of ``b``, so with two
     buffers a gather overlaps the previous chunk's DMA and no buffer is overwritten while it is read.
     """

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiered_kv.errors import LayoutError, TransferError
+from ...errors import LayoutError, TransferError
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ consecutive on both sides then skip the staging.
 Throughput (issue 27, defect D): the DMAs of staged chunks run on a second stream per direction, and
 staging has two buffers that alternate chunk by chunk (``CudaLanes``): chunk k+1's gather kernel fills
 one buffer while chunk k's DMA drains the other, instead of gather and DMA taking turns on one stream.
-The batches' GPU index tensors are uploaded from a preallocated pinned ring (transfer/index_ring.py),
+The batches' GPU index tensors are uploaded from a preallocated pinned ring (transfer/engines/index_ring.py),
 not a ``pin_memory()`` per batch, which takes the driver's lock each time.
 
 Completion: each batch records a (blocking-sync) event on its stream; the
@@ -39,7 +39,7 @@ directly (``torch.cuda.current_stream().wait_event(handle.event)``).
 The enqueue functions (staged.py) are device-agnostic, so CPU tests drive the same code.
 
 The copy path (issue 38) is chosen once here and named by ``copy_path``: ``table`` (one Triton launch
-per staging chunk for every region, transfer/table.py), ``table-direct`` (one launch per call, in place
+per staging chunk for every region, transfer/engines/table.py), ``table-direct`` (one launch per call, in place
 in the pinned slab), or ``groups`` (the per-group index kernels above) where triton is absent.
 """
 
@@ -51,12 +51,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from tiered_kv.errors import ConfigError, LayoutError, TransferError
-from tiered_kv.transfer.base import Compute, CopyEngine, CopyHandle, Direction, is_event
-from tiered_kv.transfer.bridge import EventBridge
-from tiered_kv.transfer.index_ring import IndexRing
-from tiered_kv.transfer.staged import Lanes, Staging, enqueue_load, enqueue_store, gpu_groups, host_slabs
-from tiered_kv.transfer.table import DeviceIds, build_table, choose_path, enqueue_table
+from ...errors import ConfigError, LayoutError, TransferError
+from .base import Compute, CopyEngine, CopyHandle, Direction, is_event
+from .bridge import EventBridge
+from .index_ring import IndexRing
+from .staged import Lanes, Staging, enqueue_load, enqueue_store, gpu_groups, host_slabs
+from .table import DeviceIds, build_table, choose_path, enqueue_table
 
 DEFAULT_STAGING_BYTES = 64 * 1024 * 1024
 
@@ -108,7 +108,7 @@ class CUDAStreamEngine(CopyEngine):
             self._lanes = {d: CudaLanes(self._streams[d], torch.cuda.Stream(device=self._device, priority=0))
                            for d in Direction}  # fmt: skip
             self._rings = {d: IndexRing() for d in Direction}
-            # Chosen once (transfer/table.py): one launch per chunk where triton runs, else a launch per group.
+            # Chosen once (transfer/engines/table.py): one launch per chunk where triton runs, else a launch per group.
             self.copy_path = choose_path(copy_path, self._device)
             self._tables = [build_table(self._gpu, slab, self._device) for slab in self.host_slabs] \
                 if self.copy_path != "groups" else []  # fmt: skip

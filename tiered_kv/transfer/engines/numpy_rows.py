@@ -13,8 +13,8 @@ import asyncio
 
 import numpy as np
 
-from tiered_kv.transfer.base import Compute, CopyHandle, Direction
-from tiered_kv.transfer.host import HostCopyEngine
+from .base import Compute, CopyHandle, Direction
+from .host import HostCopyEngine
 
 
 class NumpyRowEngine(HostCopyEngine):

@@ -1,4 +1,12 @@
-"""Adaptive-window LRU: a FIFO window for first-time blocks, an LRU main area, ghosts steer the split.
+"""The eviction policies the native core runs, by name, and the window policy's constants.
+
+The tier manager (manager/tier_index.py) passes ``KINDS[name]`` and the window's shares to the core,
+and the config sizes the ghosts' memory with ``GHOST_BYTES_PER_SLOT``. Standalone policy objects
+over the same core (for the replay's flat simulators) live in replay/policies/.
+
+"lru" evicts the least recently used first; "arc" is ARC (replay/policies/arc.py says how it
+differs from the paper's); "window" is the adaptive-window LRU: a FIFO window for first-time blocks,
+an LRU main area, ghosts steer the split.
 
 - A block whose key is not a ghost enters the **window**, a FIFO: it stays in
   insertion order, and its first touch (its second reference) moves it to the
@@ -31,41 +39,12 @@ come back thousands of references later:
 
 from __future__ import annotations
 
-from typing import ClassVar
+from .core import core
 
-from ..core import core
-from ..errors import ConfigError
-from .arc import ARCPolicy, KeyTag
-
+KINDS = {"lru": 0, "arc": 1, "window": 2}  # the core's policy kinds
+POLICIES: tuple[str, ...] = tuple(KINDS)
 START, LOW, HIGH = 0.1, 0.05, 0.2  # the window's target: initial, least, most, as shares of the tier
-GHOSTS = tuple(core.WINDOW_GHOSTS)  # each ghost list's bound (window's, main's), in multiples of the tier's slots
+GHOSTS = tuple(
+    core.WINDOW_GHOSTS
+)  # each ghost list's bound (window's, main's), in multiples of the tier's slots
 GHOST_BYTES_PER_SLOT = sum(GHOSTS) * core.GHOST_BYTES  # at the bound: the config's memory check
-
-
-def check_window(start: float, low: float, high: float) -> None:
-    for name, v in (("start", start), ("low", low), ("high", high)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
-            raise ConfigError(f"window policy: {name} must be a share of the tier in [0, 1], got {v!r}")
-    if not low <= start <= high:
-        raise ConfigError(f"window policy: need low <= start <= high, got {low}, {start}, {high}")
-
-
-class WindowPolicy(ARCPolicy):
-    """The adaptive-window LRU ("window"); see the module docstring.
-
-    ``start``, ``low``, ``high``: the window's initial, least and most target, as shares of the tier.
-    ``key_tag`` as for ARCPolicy: uint64 tags of the keys slots hold, for the ghosts.
-    """
-
-    name: ClassVar[str] = "window"
-    __slots__ = ()
-
-    def __init__(self, num_slots: int, *, key_tag: KeyTag | None = None, start: float = START,
-                 low: float = LOW, high: float = HIGH) -> None:  # fmt: skip
-        check_window(start, low, high)
-        super().__init__(num_slots, key_tag=key_tag, start=start, low=low, high=high)
-
-    @property
-    def target(self) -> float:
-        """The window's target size in slots (ARC's ``p``)."""
-        return self._core.p

@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from ..errors import SlotError
+from ...errors import SlotError
 
 # Stamps and table values are int32 below this (2**31 blocks of 16 KiB = 32 TiB per tier).
 MAX_SLOTS = 2**31 - 1

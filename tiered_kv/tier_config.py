@@ -1,7 +1,7 @@
 """The tiers' sections of the config (CPU, disk, remote) and the base every section shares.
 
 Split from config.py, which holds the rest of the config and its loading; the
-types here are re-read from there (``from .config_tiers import ...``).
+types here are re-read from there (``from .tier_config import ...``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from .host_checks import dir_problem, expand_path
+from .redis_url import env_name_problem, node_problem, redact, url_db, url_problem
 from .sizes import parse_size
 
 ByteSize = Annotated[int, BeforeValidator(parse_size)]
@@ -104,8 +105,6 @@ class RemoteTierConfig(Section):
 
     @model_validator(mode="after")
     def _valid_endpoints(self) -> RemoteTierConfig:
-        from .tiers.remote.url import env_name_problem, node_problem, redact, url_db, url_problem
-
         problem = url_problem(self.url)
         if problem:
             raise ValueError(f"url: {redact(self.url)[:200]!r} {problem}")

@@ -11,13 +11,17 @@ and is dropped from the residency filter; a block not answered (a fault) is kept
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from ..errors import KeyFormatError, SlotError
-from ..metrics import CacheMetrics
-from ..tiers.remote import RemoteResidency, RemoteStore
+from ...errors import KeyFormatError, SlotError
+from ...manager.key_rows import key_rows
+from ...metrics import CacheMetrics
+from ...owned_tasks import TaskSet
+from ...tiers.remote import RemoteResidency, RemoteStore
 
 REJECTED_KEYS = 1 << 16
 
@@ -32,9 +36,12 @@ class RemoteIO:
         # there does not offer it again (bounded; the oldest are forgotten).
         self.rejected = RemoteResidency(REJECTED_KEYS)
         self._metrics = metrics
+        self.probing: asyncio.Task | None = None  # the background probe (one at a time)
 
     @classmethod
-    async def open(cls, cfg: Any, namespace: str, slabs: Any, metrics: CacheMetrics, max_keys: int) -> RemoteIO:
+    async def open(
+        cls, cfg: Any, namespace: str, slabs: Any, metrics: CacheMetrics, max_keys: int
+    ) -> RemoteIO:
         """Connect (RemoteError naming the URL, never the password, when unreachable)."""
         store = await RemoteStore.open(cfg, namespace, slabs, metrics)
         return cls(store, RemoteResidency(max(1, min(max_keys, 1 << 26))), metrics)
@@ -46,12 +53,31 @@ class RemoteIO:
         return self.residency.known(keys)
 
     async def aclose(self) -> None:
+        self.stop_probing()
         await self.store.aclose()
+
+    def probe_later(self, keys: Sequence[bytes], key_bytes: int, tasks: TaskSet) -> None:
+        """``lookup`` never waits on the network: unknown keys are probed in the background (one probe
+        at a time), so a later lookup of the same prefix, here or on the engine's next poll, sees them."""
+        if self.probing is not None and not self.probing.done():
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # called off the loop thread: nothing to schedule on
+            return
+        rows = key_rows(keys[:4096], key_bytes)
+        rows = rows[~self.residency.known(rows)]
+        if len(rows) and not self.store.degraded:
+            self.probing = tasks.spawn(self.probe(rows), background=True)
+
+    def stop_probing(self) -> None:
+        if self.probing is not None:
+            self.probing.cancel()
 
     async def purge(self) -> int:
         """Forget the namespace: every server's keys of it deleted, the residency filter emptied.
         Returns how many keys Redis deleted; RemoteError when a server failed (the filter is still empty)."""
-        from ..tiers.remote.purge import purge_namespace
+        from ...tiers.remote.purge import purge_namespace
 
         self.residency = RemoteResidency(self.residency.max_keys)
         self.rejected = RemoteResidency(REJECTED_KEYS)

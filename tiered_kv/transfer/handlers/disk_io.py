@@ -16,12 +16,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..config_tiers import DiskTierConfig
-from ..errors import DiskError, KeyFormatError, LayoutError
-from ..manager import PromoteJob, SpillJob
-from ..metrics import CacheMetrics
-from ..tiers.cpu import CpuSlabs
-from ..tiers.disk import DiskNamespace, DiskStore
+from ...errors import DiskError, KeyFormatError, LayoutError
+from ...manager import PromoteJob, SpillJob
+from ...metrics import CacheMetrics
+from ...tier_config import DiskTierConfig
+from ...tiers.cpu import CpuSlabs
+from ...tiers.disk import DiskNamespace, DiskStore
 
 log = logging.getLogger("tiered_kv.disk")
 
@@ -29,8 +29,9 @@ log = logging.getLogger("tiered_kv.disk")
 class DiskIO:
     """Spill (CPU -> disk) and promote (disk -> CPU) batches against one DiskStore."""
 
-    def __init__(self, store: DiskStore, slabs: CpuSlabs, metrics: CacheMetrics,
-                 on_degrade: Callable[[], None]) -> None:  # fmt: skip
+    def __init__(
+        self, store: DiskStore, slabs: CpuSlabs, metrics: CacheMetrics, on_degrade: Callable[[], None]
+    ) -> None:
         self.store = store
         self._slab = slabs.slab_np
         self._metrics = metrics
@@ -38,14 +39,26 @@ class DiskIO:
         self.degraded: str | None = None  # the reason, once writes are disabled
 
     @classmethod
-    async def open(cls, cfg: DiskTierConfig, namespace: DiskNamespace, num_slots: int, slabs: CpuSlabs,
-                   metrics: CacheMetrics, on_degrade: Callable[[], None]) -> tuple[DiskIO, list]:  # fmt: skip
+    async def open(
+        cls,
+        cfg: DiskTierConfig,
+        namespace: DiskNamespace,
+        num_slots: int,
+        slabs: CpuSlabs,
+        metrics: CacheMetrics,
+        on_degrade: Callable[[], None],
+    ) -> tuple[DiskIO, list]:
         """Open the tier's store (it releases what it took if that fails); returns it and the recovered blocks."""
         store = DiskStore(
-            cfg.path, namespace, num_slots, o_direct=cfg.o_direct, allow_symlink=cfg.allow_symlink,
-            io_threads=cfg.io_threads, fsync=cfg.fsync,
+            cfg.path,
+            namespace,
+            num_slots,
+            o_direct=cfg.o_direct,
+            allow_symlink=cfg.allow_symlink,
+            io_threads=cfg.io_threads,
+            fsync=cfg.fsync,
             on_drop=lambda cause, n, detail: metrics.drop("disk", cause, n, detail),
-        )  # fmt: skip
+        )
         recovered = await store.open()
         return cls(store, slabs, metrics, on_degrade), recovered
 
@@ -99,6 +112,10 @@ class DiskIO:
         if self.degraded is None:
             self.degraded = str(exc)
             self._metrics.degrade["disk"].inc()
-            log.warning("disk tier degraded, no more writes (serving from CPU and existing disk blocks); "
-                        "%d block(s) of the failing batch dropped: %s", dropped, exc)  # fmt: skip
+            log.warning(
+                "disk tier degraded, no more writes (serving from CPU and existing disk blocks); "
+                "%d block(s) of the failing batch dropped: %s",
+                dropped,
+                exc,
+            )
             self._on_degrade()

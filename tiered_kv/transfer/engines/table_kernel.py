@@ -1,7 +1,7 @@
 """The one-launch row kernel of the table path (issue 38), in Triton; absent when triton is not installed.
 
 One program per (row of the call, region): it reads the region's base address, row stride, width and
-column from the table (built once, transfer/table.py) and copies that region's row of the call's block
+column from the table (built once, transfer/engines/table.py) and copies that region's row of the call's block
 between the GPU and a host-side row (a staging buffer's row, or a pinned slab's row read or written in
 place through unified addressing). Every address is an int64 turned into a pointer in the kernel, as
 vLLM's swap_blocks_triton does: regions live in unrelated allocations, so no tensor argument could
@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from tiered_kv.errors import TransferError
+from ...errors import TransferError
 
 # Imported on first need (``available``): importing triton costs about 0.1 s, which a CPU-only user of
 # tiered_kv should not pay. CUDA builds of torch ship triton; the CPU venv has it from the `kernel` extra.
@@ -81,7 +81,7 @@ def _rows_kernel(
 
 def launch(table: Any, ids: Any, host_rows: Any, host_addr: int, host_row_bytes: int, n: int, *,
            load: bool, indexed: bool) -> None:  # fmt: skip
-    """Copy ``n`` rows of every region of ``table`` (transfer/table.RegionTable) in one launch.
+    """Copy ``n`` rows of every region of ``table`` (transfer/engines/table.RegionTable) in one launch.
 
     ``ids``: the rows' GPU block ids (device int64); ``host_rows``: their host rows when ``indexed``
     (else row i of the call is host row i: a staging chunk); ``host_addr``/``host_row_bytes``: the host

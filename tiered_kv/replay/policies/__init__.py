@@ -1,15 +1,19 @@
-"""Eviction policies behind one batch interface (see base.EvictionPolicy), native in the core; pick one by name."""
+"""Eviction policies as standalone objects behind one batch interface (see base.EvictionPolicy), native in the core.
+
+The replay's flat simulators (replay/simulate.py) run them; the cache's tiers run the same policies
+inside the core's tier index (manager/tier_index.py), by the names and constants in tiered_kv/policy.py.
+"""
 
 from __future__ import annotations
 
-from ..errors import ConfigError
+from ...errors import ConfigError
+from ...policy import POLICIES
 from .arc import ARCPolicy, KeyTag
 from .base import EvictionPolicy
 from .lru import LRUPolicy
 from .window import WindowPolicy
 
 _REGISTRY: dict[str, type[EvictionPolicy]] = {cls.name: cls for cls in (LRUPolicy, ARCPolicy, WindowPolicy)}
-POLICIES: tuple[str, ...] = tuple(_REGISTRY)
 
 
 def make_policy(name: str, num_slots: int, *, key_tag: KeyTag | None = None) -> EvictionPolicy:

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from tiered_kv.errors import TransferError
+from ...errors import TransferError
 
 log = logging.getLogger(__name__)
 

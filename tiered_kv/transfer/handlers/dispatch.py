@@ -1,8 +1,8 @@
-"""The async mover: executes transfer jobs, one batch at a time, by (source medium, destination medium).
+"""The dispatcher: runs one transfer job through the handler registered for its (source, destination) media.
 
-It holds no bookkeeping: the tier manager decides what moves where, the mover
-only runs the job under the in-flight byte budget and reports which blocks
-made it. Adding a tier adds handlers, not branches.
+It holds no bookkeeping: the tier manager decides what moves where, the runners (transfer/runners/)
+hand each job of a plan here, and the dispatcher runs it under the in-flight byte budget and reports
+which blocks made it. Adding a tier adds handlers, not branches.
 """
 
 from __future__ import annotations
@@ -15,14 +15,19 @@ from typing import Any
 
 import numpy as np
 
-from ..backpressure import ByteBudget
-from ..errors import TransferError
-from ..metrics import CacheMetrics
+from ...byte_budget import ByteBudget
+from ...errors import TransferError
+from ...metrics import CacheMetrics
 
 MEDIA = ("gpu", "cpu", "disk", "remote")
-DIRECTIONS = {("gpu", "cpu"): "gpu_to_cpu", ("cpu", "gpu"): "cpu_to_gpu",
-              ("cpu", "disk"): "cpu_to_disk", ("disk", "cpu"): "disk_to_cpu",
-              ("cpu", "remote"): "cpu_to_remote", ("remote", "cpu"): "remote_to_cpu"}  # fmt: skip
+DIRECTIONS = {
+    ("gpu", "cpu"): "gpu_to_cpu",
+    ("cpu", "gpu"): "cpu_to_gpu",
+    ("cpu", "disk"): "cpu_to_disk",
+    ("disk", "cpu"): "disk_to_cpu",
+    ("cpu", "remote"): "cpu_to_remote",
+    ("remote", "cpu"): "remote_to_cpu",
+}
 
 # A handler runs one job and returns a per-block ok mask; it raises only for a fault that
 # hit the whole batch, and only once nothing of the batch can still be in flight.
@@ -51,8 +56,8 @@ class CopyJob:
         return len(self.src_ids)
 
 
-class Mover:
-    """Runs jobs through the handler registered for their (src, dst) media."""
+class Dispatcher:
+    """Runs jobs through the handler registered for their (src, dst) media, under one byte budget."""
 
     def __init__(self, budget: ByteBudget, metrics: CacheMetrics, bytes_per_block: int) -> None:
         self._budget = budget
@@ -90,8 +95,14 @@ class Mover:
             raise TransferError(f"cannot register a threaded starter for {src!r} -> {dst!r}")
         self._threaded[(src, dst)] = starter
 
-    def start_threaded(self, src: str, dst: str, job: Any, token: asyncio.Future,
-                       done: Callable[[BaseException | None], None]) -> bool:  # fmt: skip
+    def start_threaded(
+        self,
+        src: str,
+        dst: str,
+        job: Any,
+        token: asyncio.Future,
+        done: Callable[[BaseException | None], None],
+    ) -> bool:
         """Start ``job`` on the engine's thread when a starter is registered and the budget admits it at
         once; ``done(error)`` runs on the loop once it has landed (the budget is released first).
         False, having done nothing, otherwise: the job must go through ``run``."""

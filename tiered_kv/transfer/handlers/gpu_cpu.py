@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..transfer.base import CopyEngine, Direction
-from .mover import CopyJob, InlineHandler, ThreadedStarter
+from ..engines.base import CopyEngine, Direction
+from .dispatch import CopyJob, Dispatcher, InlineHandler, ThreadedStarter
 
 
 def store_handler(engine: CopyEngine):
@@ -51,3 +51,15 @@ def threaded_starter(engine: CopyEngine, direction: Direction) -> ThreadedStarte
         start(direction, job.src_ids, job.dst_ids, token, done)
 
     return run
+
+
+def register_engine(dispatcher: Dispatcher, engine: CopyEngine) -> None:
+    """GPU <-> CPU through ``engine``: awaited batches, plus the inline and threaded copies a host engine offers."""
+    dispatcher.register("gpu", "cpu", store_handler(engine))
+    dispatcher.register("cpu", "gpu", load_handler(engine))
+    for (src, dst), direction in ((("gpu", "cpu"), Direction.STORE), (("cpu", "gpu"), Direction.LOAD)):
+        inline, threaded = inline_handler(engine, direction), threaded_starter(engine, direction)
+        if inline is not None:
+            dispatcher.register_inline(src, dst, inline)
+        if threaded is not None:
+            dispatcher.register_threaded(src, dst, threaded)

@@ -5,7 +5,7 @@ regions that was 128 launches and about 6 ms of host time per call on an H200, w
 themselves ran at the link's speed. Here a ``RegionTable`` (per host slab: each region's base address,
 row stride, width and column in the slab's row) is built once, when the engine is built; a call
 uploads only its block ids (and slots), from a preallocated ring into a preallocated device buffer,
-and launches one kernel (transfer/table_kernel.py) per chunk, whatever the region count.
+and launches one kernel (transfer/engines/table_kernel.py) per chunk, whatever the region count.
 
 Two modes, chosen once when the engine starts (``CUDAStreamEngine.copy_path``):
 - ``table``: the kernel gathers into staging, then one DMA per run of consecutive slots drains it (the
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tiered_kv.errors import LayoutError
-from tiered_kv.transfer import table_kernel
-from tiered_kv.transfer.staged import ONE_STREAM, HostSlab, Lanes, Staging, _spans
+from ...errors import LayoutError
+from . import table_kernel
+from .staged import ONE_STREAM, HostSlab, Lanes, Staging, _spans
 
 _ELEMS = (8, 4, 2, 1)  # bytes per kernel element, widest first: fewer, wider loads and stores
 

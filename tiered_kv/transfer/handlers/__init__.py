@@ -1,0 +1,21 @@
+"""The execute phase's middle: one handler per (source medium, destination medium), and the dispatcher.
+
+``Dispatcher`` runs a job through the handler registered for its media under the byte budget;
+gpu_cpu.py wraps a copy engine (transfer/engines/), disk_io.py the disk tier's store, remote_io.py
+the Redis tier (imported on use: redis-py is an optional extra).
+"""
+
+from .disk_io import DiskIO
+from .dispatch import DIRECTIONS, MEDIA, CopyJob, Dispatcher
+from .gpu_cpu import load_handler, register_engine, store_handler
+
+__all__ = [
+    "DIRECTIONS",
+    "MEDIA",
+    "CopyJob",
+    "DiskIO",
+    "Dispatcher",
+    "load_handler",
+    "register_engine",
+    "store_handler",
+]
