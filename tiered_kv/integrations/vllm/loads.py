@@ -28,6 +28,7 @@ from .hits import Hit
 from .meta import TieredKVMetadata
 from .planning import gather_loads, run_tagged, start_sync_load
 from .requests import new_tag
+from .tails import hit_end, load_range
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class _Load:
     future: concurrent.futures.Future  # blocks landed: an int (one group) or one per group
     sync: bool  # served in the step it was planned: vLLM waits for no finished_recving
     boundary: int  # blocks computed once it all landed
+    tail: bool = False  # its last block is a partial tail (tails.py): stored under its full key once computed
 
 
 @dataclass
@@ -91,12 +93,12 @@ class LoadBook:
         if num_external <= 0 or asked is None:
             return
         start, hit = asked.first, asked.hit
-        if start + num_external // self._bs != hit.boundary or num_external % self._bs:
+        if start * self._bs + num_external != hit_end(hit, self._bs):  # it may end inside a block (tails.py)
             self._admitted_otherwise(rid, start, hit, block_ids, num_external)
             return
         ids = [block_ids[p][a:b] for p, (a, b) in enumerate(hit.ranges)]
         one = len(hit.ranges) == 1
-        loads = [side.cache.load(keys[p][a:b], ids[p]) for p, (a, b) in enumerate(hit.ranges) if b > a or one]
+        loads = [load_range(side.cache, hit, p, keys[p], ids[p]) for p, (a, b) in enumerate(hit.ranges) if b > a or one]
         load = loads[0] if one else gather_loads(loads)
         if not one:  # a group with nothing to load (all of its range computed by vLLM) landed nothing
             ids = [g for g, (a, b) in zip(ids, hit.ranges, strict=True) if b > a]
@@ -104,7 +106,7 @@ class LoadBook:
         tag = new_tag(f"{rid}:load")
         if not hit.in_cpu:
             future = self._loop.submit(run_tagged(tag, load))
-            self._loads[rid] = _Load(start, ids, future, False, hit.boundary)
+            self._loads[rid] = _Load(start, ids, future, False, hit.boundary, hit.tail is not None)
             return
         try:  # one group may load a leading part; several load all or nothing (each group's range is needed)
             future, planned = self._loop.call(start_sync_load(side.proxy, tag, load, len(flat), all_or_none=not one))
@@ -117,7 +119,7 @@ class LoadBook:
         upto = start + planned if one else (hit.boundary if planned else start)
         if upto < hit.boundary:
             self._cap[rid] = upto
-        self._loaded_upto[rid] = upto
+        self._loaded_upto[rid] = min(upto, hit.boundary - (hit.tail is not None))
         if future is not None:
             self._sync_tags.add(tag)
             self._loads[rid] = _Load(start, [flat[:planned]] if one else ids, future, True, upto)
@@ -171,7 +173,7 @@ class LoadBook:
             else:
                 meta.loads_done[rid] = [b for ids in short for b in ids]
             if not gone:
-                self._loaded_upto[rid] = upto
+                self._loaded_upto[rid] = min(upto, load.boundary - load.tail)
 
     def close_step(self, meta: TieredKVMetadata) -> None:
         """The step's jobs are in ``meta``: mark its synchronous loads and errors, forget its answers."""

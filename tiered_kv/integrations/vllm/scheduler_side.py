@@ -31,7 +31,6 @@ from .events import HashBook, to_vllm_events
 from .geometry import check_rank_bytes, group_bytes_per_block, scheduler_bytes_per_block
 from .groups import KVGroups
 from .hints import NO_HINTS, RequestHints, hints_of
-from .hits import find_hit, touch_hit
 from .keys import group_block_keys, request_block_keys, salt_of, uses_prompt_embeds
 from .loads import LoadBook
 from .meta import TieredKVHandshake, TieredKVMetadata
@@ -47,6 +46,7 @@ from .runtime import (
 )
 from .stats import StatsFile
 from .stores import StoreBook
+from .tails import Tails
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,7 @@ class SchedulerHalf:
         self._keys = KeyCache(self._compute_keys)
         self._hints: dict[str, RequestHints] = {}
         self._loads = LoadBook(self._bs, self._loop, self.counters, hybrid=self._groups.hybrid)
+        self._tails = Tails(self._groups, self._bs, self.counters, kv_cache_config)  # hits inside a block
         self._vllm_hashes: dict[str, Any] = {}  # req -> request.block_hashes (vLLM's live list)
         self._book = HashBook(cap=1 << 20)  # our key -> vLLM hash, for the router's KV events
         self._vllm_cache: Any = None  # vLLM's KVCacheManager (bind_kv_cache_manager), for reset
@@ -152,27 +153,24 @@ class SchedulerHalf:
         if rid in self._no_store:
             return 0, False
         prompt = list(request.prompt_token_ids or [])
-        max_blocks = (len(prompt) - 1) // self._bs  # vLLM computes at least the last prompt token
-        max_blocks = self._loads.cap(rid, max_blocks)
-        if max_blocks * self._bs <= num_computed:
+        limit = self._loads.cap(rid, len(prompt) // self._bs + 1)  # blocks a hit may fill, a tail's too
+        max_blocks, reach = self._tails.bounds(len(prompt), limit)  # vLLM computes the last prompt token
+        if reach <= num_computed:
             return 0, False
         side = self._ready()
         keys = self._keys.get(rid, prompt)
         hints = self._hints.get(rid, NO_HINTS)
         first = num_computed // self._bs
 
-        async def run() -> Any:
-            hit = find_hit(side.cache, self._groups, keys, first, max_blocks, self._bs)
-            if hit is not None:
-                touch_hit(side.cache, self._groups, keys, hit, hints.session, hints.expect_followup)
-            return hit
+        async def run() -> Any:  # whole blocks (hits.py), then maybe a partial tail (tails.py)
+            return self._tails.find(side.cache, keys, prompt, first, max_blocks, limit, hints)
 
         try:
             hit = self._loop.call(run())
         except Exception as exc:
             log.warning("tiered_kv: lookup for %s failed, treating it as a miss: %r", rid, exc)
             return 0, False
-        n = 0 if hit is None else hit.boundary * self._bs - num_computed
+        n = 0 if hit is None else hit.tokens - num_computed  # it may end inside a block (tails.py)
         if n <= 0:
             return 0, False
         self._loads.promised(rid, first, hit)
@@ -262,6 +260,7 @@ class SchedulerHalf:
                 if st.full and hashes is not None and len(hashes) >= st.first + len(st.keys):
                     self._book.remember(st.keys, hashes[st.first : st.first + len(st.keys)])
                 batch.append((req, st.tag, self._store(side.cache, st.keys, st.block_ids, st.prefix, hints)))
+            batch += self._tails.stores(side.cache, req, done_tokens)  # a partial last prompt block, once
         if not batch:
             return
         try:
