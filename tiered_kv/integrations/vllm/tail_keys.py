@@ -15,10 +15,11 @@ the salt). A tail key is never a parent: nothing chains on from it, so a partial
 block's key.
 
 ``TailIndex`` remembers which tail lengths were stored under each parent key (a bitmask per parent), so a
-lookup tries only those lengths, longest first, instead of hashing every length. It is bounded (least
-recently used parents go first) and self-cleaning (a length the cache no longer holds is forgotten when a
-lookup misses it). A tail the index forgot, or one recovered from disk after a restart, is never found:
-a lost hit, never a wrong one.
+lookup hashes and looks up only those lengths, longest first, instead of every length. A miss says
+nothing about the bit (another request's tail of that length, with other tokens, may still be held), so
+bits are never cleared one by one: the index is bounded by its parents (least recently stored first out,
+at most ``block_size - 1`` bits each), and a stale bit costs one hash and one lookup. A tail the index
+forgot, or one recovered from disk after a restart, is never found: a lost hit, never a wrong one.
 """
 
 from __future__ import annotations
@@ -74,13 +75,6 @@ class TailIndex:
             m = mask.bit_length() - 1
             yield m
             mask &= ~(1 << m)
-
-    def forget(self, parent: bytes, length: int) -> None:
-        mask = self._masks.get(parent, 0) & ~(1 << length)
-        if mask:
-            self._masks[parent] = mask
-        else:
-            self._masks.pop(parent, None)
 
     def clear(self) -> None:
         self._masks.clear()

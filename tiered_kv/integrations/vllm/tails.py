@@ -124,8 +124,7 @@ class Tails:
         for m in self.index.lengths(parent, min(bs - 1, n - j * bs)):
             key = tail_key(cache.keyer, parent, prompt[j * bs : j * bs + m], bs)
             found = cache.lookup([key])
-            if not found.total:
-                self.index.forget(parent, m)  # evicted (or its store failed): never tried again
+            if not found.total:  # other tokens than that tail's (or it was evicted)
                 continue
             tier = "cpu" if found.cpu else "disk" if found.disk else "remote" if found.remote else ""
             if hit is None:
