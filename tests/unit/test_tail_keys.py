@@ -131,3 +131,23 @@ def test_demote_of_nothing_or_of_missing_keys_changes_nothing():
     m = TierManager(2, None, KEYER.key_bytes)
     assert demote_keys(m, []) == 0
     assert demote_keys(m, full_keys(PROMPT)) == 0
+
+
+def test_only_a_model_with_one_full_attention_group_answers_inside_a_block_and_stores_tails():
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from tiered_kv.integrations.vllm.groups import FULL, SLIDING, Group, KVGroups
+    from tiered_kv.integrations.vllm.tails import Tails
+
+    one = Tails(KVGroups((Group(0, FULL, ("a",)),), 1), 32, Counter())
+    assert (one.inside, one.records) == (True, True)
+    assert one.bounds(960, 960 // 32 + 1) == (30, 959)  # every block of the 960-token prompt, 959 tokens
+    assert one.bounds(1000, 1000 // 32 + 1) == (31, 999)  # 31 blocks and 7 of the 8 tail tokens
+    assert one.bounds(1000, 29) == (29, 29 * 32)  # a load that came up short caps it: no tail past it
+    hybrid = Tails(KVGroups((Group(0, FULL, ("a",)), Group(1, SLIDING, ("b",), 64)), 2), 32, Counter())
+    assert (hybrid.inside, hybrid.records) == (False, False)
+    assert hybrid.bounds(960, 31) == (29, 928)  # block-aligned, before the last prompt token's block
+    zeroed = Tails(KVGroups((Group(0, FULL, ("a",)),), 1), 32, Counter(), SimpleNamespace(needs_kv_cache_zeroing=True))
+    assert (zeroed.inside, zeroed.records) == (True, False)
+    assert zeroed.bounds(1000, 32) == (31, 992)

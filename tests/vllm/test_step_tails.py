@@ -162,14 +162,20 @@ def test_a_tail_is_also_found_after_vllms_own_prefix_hit(h):
     assert served(h, b_prompt, [0, 1, 2, 13, 14], len(A))
 
 
-def test_a_partial_record_is_dropped_first_under_pressure(tmp_path):
-    h = Harness(tmp_path, cpu=f"{5 * BS * 2 * 8 * 4}B")  # 5 slots
+@pytest.mark.parametrize("after_a_hit", [False, True], ids=["stored", "loaded"])
+def test_a_partial_record_is_dropped_first_under_pressure(tmp_path, after_a_hit):
+    h = Harness(tmp_path, cpu=f"{6 * BS * 2 * 8 * 4}B")  # 6 slots
     try:
-        d, e = [91, 92, 93, 94], [81, 82, 83, 84]  # one full block each
+        d = [91, 92, 93, 94]  # one full block
         store_prompt(h, "d", d, [0])
         store_prompt(h, "a", A, [1, 2, 3, 4])  # 3 blocks and a tail, all more recent than d's block
-        assert h.sched._stats()["cpu"]["resident"] == 5
-        store_prompt(h, "e", e, [5])  # needs a slot: the tail's, not d's older full block
+        if after_a_hit:  # the next turn loads the tail (a load touches what it loads), stores its block 3
+            assert run_prompt(h, "b", A + [43, 44], [10, 11, 12, 13]) == len(A)
+        else:
+            store_prompt(h, "b", [71, 72, 73, 74], [5])
+        assert h.sched._stats()["cpu"]["resident"] == 6
+        store_prompt(h, "e", [81, 82, 83, 84], [6])  # another prompt's full block needs a slot
+        # The tail went, not d's older full block.
         assert h.sched.matched_tokens(request("d2", d), 0)[0] == len(d) - 1
         assert h.sched.matched_tokens(request("a2", A), 0)[0] == 3 * BS  # A's full blocks, no tail
     finally:
