@@ -128,7 +128,7 @@ class LoadBook:
         """vLLM admitted another number of external tokens than promised: nothing is loaded, and the
         admitted blocks are reported failed (never left for a forward to read uninitialised)."""
         log.error("tiered_kv: %s: vLLM admitted %d external tokens, not the %d promised; reported as a failed "
-                  "load (vLLM recomputes them)", rid, num_external, (hit.boundary - start) * self._bs)  # fmt: skip
+                  "load (vLLM recomputes them)", rid, num_external, hit_end(hit, self._bs) - start * self._bs)  # fmt: skip
         end = start + -(-num_external // self._bs)
         ids = [group[start:end] for group in block_ids]
         self._counters["load_admission_mismatches"] += 1
