@@ -294,13 +294,25 @@ class TierManager:
         rows = s.sessions.release(session)
         if not len(rows):
             return []
-        tail_first = rows[::-1]
-        for tier in (s.cpu, s.disk):
-            if tier is not None:
-                slots = tier.find_ready(tail_first)
-                slots = slots[slots >= 0]
-                tier.demote(slots[np.sort(np.unique(slots, return_index=True)[1])])  # a repeated key once
+        self._demote_rows(rows[::-1])  # the chain's tail goes first
         return [bytes(r) for r in rows]
+
+    def demote(self, keys: Sequence[bytes]) -> int:
+        """Put the READY blocks of ``keys`` at the cold end of every tier that holds them: the first to go
+        when a tier needs room, dropped, never spilled (a touch takes them out again). Keys not held, or
+        only in flight, are left alone. Returns the blocks demoted (a key in two tiers counts twice)."""
+        return self._demote_rows(key_rows(keys, self._s.key_bytes)) if len(keys) else 0
+
+    def _demote_rows(self, rows: np.ndarray) -> int:
+        n = 0
+        for tier in (self._s.cpu, self._s.disk):
+            if tier is not None:
+                slots = tier.find_ready(rows)
+                slots = slots[slots >= 0]
+                slots = slots[np.sort(np.unique(slots, return_index=True)[1])]  # a repeated key once, in order
+                tier.demote(slots)
+                n += len(slots)
+        return n
 
     # -- events ----------------------------------------------------------------------
     def take_events(self) -> list[tuple[str, str, list[bytes]]]:

@@ -15,7 +15,9 @@ earlier blocks as the ``prefix``.
 
 A request's partial last block (``input_length`` not a multiple of the block
 size) takes no cache slot when ``drop_partial``: its id changes once the next
-turn fills it, so it is never reused as such; it counts as computed.
+turn fills it, so it is never reused as such; it counts as computed. Kept, it
+is put at the cold end of the tiers after every store, touch and load of it (as
+the vLLM connector keeps its partial tail records): the first to go under pressure.
 
 With ``hints``, requests that carry a session register their chain with the
 cache (``touch(session=)``), and a session's last turn releases it: the blocks
@@ -48,6 +50,7 @@ from .gpu_cache import GpuPrefixCache
 from .trace import Request
 
 SEED_BYTES = 64  # per-key pattern, tiled over a region row: cheap to make and to compare
+PARTIALS_CAP = 1 << 16  # kept partial last blocks remembered as such
 
 
 # -- expected bytes ---------------------------------------------------------------------
@@ -111,6 +114,7 @@ class EngineEmulator:
         self.drop_partial = drop_partial
         self.block_tokens = block_tokens
         self.hints = hints
+        self._partials: dict[bytes, None] = {}  # kept partial last blocks' keys (oldest first, bounded)
         self.stats = EngineStats()
         self._admission = asyncio.Lock()  # FIFO: a long request is not starved by short ones
         self._freed = asyncio.Event()
@@ -158,6 +162,7 @@ class EngineEmulator:
         gids = [g for _, g in reversed(evicted)]
         t0 = time.perf_counter()
         res = await self.cache.store(keys, gids, after=after)
+        self._cool(keys)
         s = self.stats
         s.store_latency.append(time.perf_counter() - t0)
         s.stored += res.stored
@@ -165,6 +170,13 @@ class EngineEmulator:
         s.deduped += res.deduped
         s.store_in_flight += res.in_flight
         s.store_skipped += res.skipped
+
+    def _cool(self, keys: Sequence[bytes]) -> None:
+        """Kept partial last blocks among ``keys`` go (back) to the cold end of every tier."""
+        if self._partials:
+            cold = [k for k in keys if k in self._partials]
+            if cold:
+                self.cache.manager.demote(cold)
 
     def _tiers(self, keys: Sequence[bytes]) -> list[str]:
         """Tier of each key of a lookup's leading run, read in the same loop step as the lookup."""
@@ -191,6 +203,10 @@ class EngineEmulator:
             s.computed += len(ids) - publish
             ids = ids[:publish]
         keys = self.cache.keyer.keys_for_block_ids(ids)  # unsigned 64-bit ids are fine
+        if keys and publish == len(req.hash_ids) and req.input_length % self.block_tokens:
+            self._partials[keys[-1]] = None  # kept (not dropped, not cut): stays at the cold end
+            if len(self._partials) > PARTIALS_CAP:
+                del self._partials[next(iter(self._partials))]
         if not keys:
             return
         n_gpu, gids, evicted = await self._admit(keys)
@@ -205,6 +221,7 @@ class EngineEmulator:
             # The GPU's hits too (the head, so last: most recent): the cache keeps the history of
             # blocks it does not hold, so a block hit here is frequent when the GPU hands it down.
             self.cache.touch(keys[: min(n_gpu, publish)], held=True)
+            self._cool(keys[-1:])  # a touch takes a kept partial block off the cold end
             await self._serve(keys, gids, n_gpu, publish, evicted if self.exclusive else [])
             await self.gpu.ready(gids[:n_gpu])  # hits another request was still computing
             ok = True
@@ -257,6 +274,7 @@ class EngineEmulator:
             t0 = time.perf_counter()
             n = await cache.load(rest[: hit.total], rest_ids[: hit.total], exclusive=self.exclusive,
                                  before_copy=save_evicted)  # fmt: skip
+            self._cool(rest[:n])
             s.load_latency.append(time.perf_counter() - t0)
         await save_evicted()
         if n:
@@ -284,6 +302,7 @@ class EngineEmulator:
             return  # stored when the GPU evicts them
         t0 = time.perf_counter()
         res = await cache.store(new[:keep], new_ids[:keep], prefix=keys[: n_gpu + n])
+        self._cool(new[:keep])
         s.store_latency.append(time.perf_counter() - t0)
         s.stored += res.stored
         s.deduped += res.deduped

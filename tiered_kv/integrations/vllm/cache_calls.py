@@ -30,13 +30,13 @@ from ...cross_process import (
 from ...errors import ConfigError
 from ...layout import KVLayout
 from ...loops import LoopThread
-from .groups import KVGroups
 from .hints import RequestHints
-from .hits import Hit, find_hit, touch_hit
+from .hits import Hit
 
 log = logging.getLogger(__name__)
 
-Store = tuple[str, list[bytes], list[int], list[bytes], RequestHints]  # tag, keys, block ids, prefix, hints
+# tag, keys, block ids, prefix, hints, cold (a partial tail: put at the cold end once stored, tails.py)
+Store = tuple[str, list[bytes], list[int], list[bytes], RequestHints, bool]
 Parts = list[tuple[list[bytes], list[int]]]  # a load's (keys, block ids), one per KV cache group
 
 
@@ -89,25 +89,13 @@ class CacheCalls:
             self._loop.stop()
 
     # -- residency ---------------------------------------------------------------------------------
-    def find_hit(
-        self,
-        rid: str,
-        groups: KVGroups,
-        keys: list[list[bytes]],
-        first: int,
-        max_blocks: int,
-        block_size: int,
-        hints: RequestHints,
-    ) -> Hit | None:
-        """The longest hit past block ``first`` (hits.py), its blocks touched; None for none, or when the
-        lookup failed (logged: a miss)."""
+    def find_hit(self, rid: str, lookup: Callable[[Any], Hit | None]) -> Hit | None:
+        """``lookup(cache)`` run on the loop (tails.Tails.find: the longest hit, its blocks touched); None
+        for none, or when the lookup failed (logged: a miss)."""
         cache = self.opened.cache
 
         async def run() -> Hit | None:
-            hit = find_hit(cache, groups, keys, first, max_blocks, block_size)
-            if hit is not None:
-                touch_hit(cache, groups, keys, hit, hints.session, hints.expect_followup)
-            return hit
+            return lookup(cache)
 
         try:
             return self._loop.call(run())
@@ -120,36 +108,43 @@ class CacheCalls:
         """Start each store, its jobs tagged; their outcomes (a failure is a future miss)."""
         cache = self.opened.cache
         tagged = [
-            (tag, self._store(cache, keys, ids, prefix, hints)) for tag, keys, ids, prefix, hints in stores
+            (tag, self._store(cache, keys, ids, prefix, hints, cold))
+            for tag, keys, ids, prefix, hints, cold in stores
         ]
         return self._loop.call(start_stores(self.proxy, tagged))
 
     async def _store(
-        self, cache: Any, keys: list[bytes], ids: list[int], prefix: list[bytes], hints: RequestHints
+        self, cache: Any, keys: list[bytes], ids: list[int], prefix: list[bytes], hints: RequestHints, cold: bool
     ) -> None:
         res = await cache.store(
             keys, ids, prefix=prefix, session=hints.session, expect_followup=hints.expect_followup
         )
-        self._counters["stored_blocks"] += getattr(res, "stored", 0)
+        if cold:  # a partial tail: dropped before any full block (tails.py)
+            cache.manager.demote(keys)
+        self._counters["stored_tail_blocks" if cold else "stored_blocks"] += getattr(res, "stored", 0)
 
-    def load_later(self, tag: str, parts: Parts, *, grouped: bool) -> concurrent.futures.Future:
+    def load_later(
+        self, tag: str, parts: Parts, *, grouped: bool, cold: Sequence[bytes] = ()
+    ) -> concurrent.futures.Future:
         """Start an asynchronous load of ``parts`` ((keys, block ids) per group) without waiting for it:
-        the blocks it landed (one count, or one per group when ``grouped``) come on the future."""
-        return self._loop.submit(run_tagged(tag, self._load(parts, grouped)))
+        the blocks it landed (one count, or one per group when ``grouped``) come on the future. ``cold``:
+        keys put back at the cold end once it ends (a partial tail it loaded, which the load touched)."""
+        return self._loop.submit(run_tagged(tag, self._load(parts, grouped, cold)))
 
     def load_now(
-        self, tag: str, parts: Parts, n_blocks: int, *, grouped: bool
+        self, tag: str, parts: Parts, n_blocks: int, *, grouped: bool, cold: Sequence[bytes] = ()
     ) -> tuple[concurrent.futures.Future | None, int]:
         """A synchronous load: its job is queued for this step, or nothing is (step_jobs.start_sync_load;
         ``grouped``: every group's blocks or none)."""
         return self._loop.call(
-            start_sync_load(self.proxy, tag, self._load(parts, grouped), n_blocks, all_or_none=grouped)
+            start_sync_load(self.proxy, tag, self._load(parts, grouped, cold), n_blocks, all_or_none=grouped)
         )
 
-    def _load(self, parts: Parts, grouped: bool) -> Coroutine[Any, Any, Any]:
+    def _load(self, parts: Parts, grouped: bool, cold: Sequence[bytes]) -> Coroutine[Any, Any, Any]:
         cache = self.opened.cache
         loads = [cache.load(keys, ids) for keys, ids in parts]
-        return gather_loads(loads) if grouped else loads[0]
+        load = gather_loads(loads) if grouped else loads[0]
+        return _then_demote(cache, load, cold) if cold else load
 
     # -- sessions, reset, events, stats ----------------------------------------------------------------
     def release_after(
@@ -190,6 +185,13 @@ class CacheCalls:
             return cache.stats()
 
         return self._loop.call(run())
+
+
+async def _then_demote(cache: Any, load: Coroutine[Any, Any, Any], keys: Sequence[bytes]) -> Any:
+    try:
+        return await load
+    finally:
+        cache.manager.demote(keys)
 
 
 def close_before_executors_exit(close: Callable[[], None]) -> None:

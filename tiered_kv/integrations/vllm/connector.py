@@ -132,6 +132,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:  # fmt: skip
         return self._sched.request_finished(request), None  # True holds every group's blocks
 
+    def register_finished_partial_tail(self, request: Any, block_ids: Any, partial_tail_offloads: Any) -> bool:
+        return False  # vLLM 0.32 calls it only for Mamba 'align' tails, which are not stored (tails.py)
+
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
         return self._sched.loaded_group_ids() if self._sched is not None else ()
 

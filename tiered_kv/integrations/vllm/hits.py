@@ -21,6 +21,8 @@ class Hit:
     ranges: list[tuple[int, int]]  # per group: the blocks [a, b) to load
     in_cpu: bool  # every block to load is in the CPU tier
     where: Counter[str]  # blocks to load per tier
+    tokens: int = 0  # tokens computed once loaded when the hit ends inside a block (tails.py), else 0
+    tail: bytes | None = None  # a partial tail's key, loaded into the last block of ranges[0] (tails.py)
 
     @property
     def blocks(self) -> int:

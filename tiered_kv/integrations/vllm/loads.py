@@ -27,6 +27,7 @@ from .cache_calls import CacheCalls
 from .hits import Hit
 from .meta import TieredKVMetadata
 from .requests import new_tag
+from .tails import hit_end, load_parts
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class _Load:
     future: concurrent.futures.Future  # blocks landed: an int (one group) or one per group
     sync: bool  # served in the step it was planned: vLLM waits for no finished_recving
     boundary: int  # blocks computed once it all landed
+    tail: bool = False  # its last block is a partial tail (tails.py): stored under its full key once computed
 
 
 @dataclass
@@ -89,22 +91,22 @@ class LoadBook:
         if num_external <= 0 or asked is None:
             return
         start, hit = asked.first, asked.hit
-        if start + num_external // self._bs != hit.boundary or num_external % self._bs:
+        if start * self._bs + num_external != hit_end(hit, self._bs):  # it may end inside a block (tails.py)
             self._admitted_otherwise(rid, start, hit, block_ids, num_external)
             return
         ids = [block_ids[p][a:b] for p, (a, b) in enumerate(hit.ranges)]
         one = len(hit.ranges) == 1
-        parts = [(keys[p][a:b], ids[p]) for p, (a, b) in enumerate(hit.ranges) if b > a or one]
+        parts, cold = load_parts(hit, keys, ids)
         if not one:  # a group with nothing to load (all of its range computed by vLLM) landed nothing
             ids = [g for g, (a, b) in zip(ids, hit.ranges, strict=True) if b > a]
         flat = [b for group in ids for b in group]
         tag = new_tag(f"{rid}:load")
         if not hit.in_cpu:
-            future = self._calls.load_later(tag, parts, grouped=not one)
-            self._loads[rid] = _Load(start, ids, future, False, hit.boundary)
+            future = self._calls.load_later(tag, parts, grouped=not one, cold=cold)
+            self._loads[rid] = _Load(start, ids, future, False, hit.boundary, hit.tail is not None)
             return
         try:  # one group may load a leading part; several load all or nothing (each group's range is needed)
-            future, planned = self._calls.load_now(tag, parts, len(flat), grouped=not one)
+            future, planned = self._calls.load_now(tag, parts, len(flat), grouped=not one, cold=cold)
         except Exception as exc:
             log.warning("tiered_kv: a synchronous load for %s could not start: %r", rid, exc)
             future, planned = None, 0
@@ -114,7 +116,7 @@ class LoadBook:
         upto = start + planned if one else (hit.boundary if planned else start)
         if upto < hit.boundary:
             self._cap[rid] = upto
-        self._loaded_upto[rid] = upto
+        self._loaded_upto[rid] = min(upto, hit.boundary - (hit.tail is not None))
         if future is not None:
             self._sync_tags.add(tag)
             self._loads[rid] = _Load(start, [flat[:planned]] if one else ids, future, True, upto)
@@ -123,7 +125,7 @@ class LoadBook:
         """vLLM admitted another number of external tokens than promised: nothing is loaded, and the
         admitted blocks are reported failed (never left for a forward to read uninitialised)."""
         log.error("tiered_kv: %s: vLLM admitted %d external tokens, not the %d promised; reported as a failed "
-                  "load (vLLM recomputes them)", rid, num_external, (hit.boundary - start) * self._bs)  # fmt: skip
+                  "load (vLLM recomputes them)", rid, num_external, hit_end(hit, self._bs) - start * self._bs)  # fmt: skip
         end = start + -(-num_external // self._bs)
         ids = [group[start:end] for group in block_ids]
         self._counters["load_admission_mismatches"] += 1
@@ -168,7 +170,7 @@ class LoadBook:
             else:
                 meta.loads_done[rid] = [b for ids in short for b in ids]
             if not gone:
-                self._loaded_upto[rid] = upto
+                self._loaded_upto[rid] = min(upto, load.boundary - load.tail)
 
     def close_step(self, meta: TieredKVMetadata) -> None:
         """The step's jobs are in ``meta``: mark its synchronous loads and errors, forget its answers."""

@@ -41,6 +41,7 @@ class Req:
     window_tag: str = ""  # the stores of window/state groups (empty: none planned since the last fence)
     next_store: list[int] = field(default_factory=list)  # per group: first block not yet queued for a store
     stores: list[concurrent.futures.Future] = field(default_factory=list)  # in flight, over every incarnation
+    tail_done: tuple[str, int] = ("", 0)  # (tag, prompt length) whose partial tail store is planned (tails.py)
 
     def store_from(self, upto: int) -> None:
         """Nothing before block ``upto`` needs storing (it was loaded, or is resident)."""

@@ -40,6 +40,7 @@ from .request_keys import group_block_keys, request_block_keys, salt_of, uses_pr
 from .requests import KeyCache, Req, new_tag, vllm_cache_is_empty
 from .stats import StatsFile
 from .stores import StoreBook
+from .tails import Tails
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class SchedulerHalf:
         self._keys = KeyCache(self._compute_keys)
         self._hints: dict[str, RequestHints] = {}
         self._loads = LoadBook(self._bs, self._calls, self.counters, hybrid=self._groups.hybrid)
+        self._tails = Tails(self._groups, self._bs, self.counters, kv_cache_config)  # hits inside a block
         self._vllm_hashes: dict[str, Any] = {}  # req -> request.block_hashes (vLLM's live list)
         self._book = HashBook(cap=1 << 20)  # our key -> vLLM hash, for the router's KV events
         self._vllm_cache: Any = None  # vLLM's KVCacheManager (bind_kv_cache_manager), for reset
@@ -137,14 +139,16 @@ class SchedulerHalf:
         if rid in self._no_store:
             return 0, False
         prompt = list(request.prompt_token_ids or [])
-        max_blocks = (len(prompt) - 1) // self._bs  # vLLM computes at least the last prompt token
-        max_blocks = self._loads.cap(rid, max_blocks)
-        if max_blocks * self._bs <= num_computed:
+        limit = self._loads.cap(rid, len(prompt) // self._bs + 1)  # blocks a hit may fill, a tail's too
+        max_blocks, reach = self._tails.bounds(len(prompt), limit)  # vLLM computes the last prompt token
+        if reach <= num_computed:
             return 0, False
         keys = self._keys.get(rid, prompt)
         first = num_computed // self._bs
-        hit = self._calls.find_hit(rid, self._groups, keys, first, max_blocks, self._bs, self._hints.get(rid, NO_HINTS))
-        n = 0 if hit is None else hit.boundary * self._bs - num_computed
+        hints = self._hints.get(rid, NO_HINTS)
+        # Whole blocks (hits.py), then maybe a partial tail (tails.py), on the cache's loop.
+        hit = self._calls.find_hit(rid, lambda c: self._tails.find(c, keys, prompt, first, max_blocks, limit, hints))
+        n = 0 if hit is None else hit.tokens - num_computed  # it may end inside a block (tails.py)
         if n <= 0:
             return 0, False
         self._loads.promised(rid, first, hit)
@@ -231,7 +235,8 @@ class SchedulerHalf:
                 hashes = self._vllm_hashes.get(rid)
                 if st.full and hashes is not None and len(hashes) >= st.first + len(st.keys):
                     self._book.remember(st.keys, hashes[st.first : st.first + len(st.keys)])
-                batch.append((req, (st.tag, st.keys, st.block_ids, st.prefix, hints)))
+                batch.append((req, (st.tag, st.keys, st.block_ids, st.prefix, hints, False)))
+            batch += self._tails.stores(self._calls.opened.keyer, req, done_tokens)  # a partial last prompt block
         if not batch:
             return
         try:
