@@ -20,9 +20,10 @@ from .keys import check_keys
 Outcome = tuple[concurrent.futures.Future | None, Coroutine[Any, Any, Any] | None]
 
 
-def load_sync(cache: TieredKVCache, keys: Sequence[bytes], gpu_block_ids: Sequence[int]) -> Outcome:
+def load_sync(cache: TieredKVCache, keys: Sequence[bytes], gpu_block_ids: Sequence[int]) -> tuple[Any, Any, int]:
     """Load the leading CPU-resident keys into the GPU blocks (transfer.runners.load.LoadRunner.load_sync):
-    (outcome: blocks landed, None), (None, None) when nothing could start, or (None, rest) for the loop."""
+    (outcome: blocks landed, None, planned), (None, None, 0) when nothing could start, or (None, rest, 0)
+    when the plan must wait for I/O (``rest`` runs it on the loop, copying nothing into the GPU blocks)."""
     cache.lifecycle.check_open()
     ids = check_blocks(keys, gpu_block_ids, cache.keyer.key_bytes, cache.layout.num_blocks)
     return cache.runners.loads.load_sync(list(keys), ids)
