@@ -5,8 +5,10 @@ waits for I/O (its selector's ``select``). A thread that calls the cache's synch
 same lock (``StateLock.held``): it then runs only while the loop is parked between callbacks, so every
 "no await between a check and its mutation" invariant of the cache's asyncio code still holds.
 
-The hand-off is fair to the callers: the loop re-takes the lock after a select only when no caller is
-waiting for it, so a caller waits at most for the callbacks of one loop iteration.
+The hand-off favours the callers: the loop re-takes the lock after a select only when no caller is
+waiting for it, or when a caller let go of it while the loop waited (then the loop runs one iteration
+before the next caller: callers that come back to back cannot starve it). So a caller waits at most for
+the callbacks of one loop iteration.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ class StateLock:
         self._owner: int | None = None
         self._count = 0
         self._wanted = 0  # callers (not the loop) waiting for the lock
+        self._loop_waiting = False
+        self._loop_turn = False  # a caller let go while the loop waited: the loop goes next
 
     def acquire(self, *, polite: bool = False) -> None:
         """Take the lock (reentrant). ``polite`` (the loop): wait while any other caller wants it."""
@@ -36,13 +40,19 @@ class StateLock:
             if self._owner == me:
                 self._count += 1
                 return
-            if not polite:
+            if polite:
+                self._loop_waiting = True
+            else:
                 self._wanted += 1
             try:
-                while self._owner is not None or (polite and self._wanted):
+                while self._owner is not None or (
+                    (self._wanted and not self._loop_turn) if polite else self._loop_turn
+                ):
                     self._cond.wait()
             finally:
-                if not polite:
+                if polite:
+                    self._loop_waiting = self._loop_turn = False
+                else:
                     self._wanted -= 1
                     if not self._wanted:
                         self._cond.notify_all()
@@ -55,6 +65,7 @@ class StateLock:
             self._count -= 1
             if not self._count:
                 self._owner = None
+                self._loop_turn = self._loop_waiting  # one loop iteration between two callers' turns
                 self._cond.notify_all()
 
     def held_by_me(self) -> bool:
@@ -66,6 +77,7 @@ class StateLock:
             if self._owner != threading.get_ident():
                 return 0
             depth, self._owner, self._count = self._count, None, 0
+            self._loop_turn = self._loop_waiting
             self._cond.notify_all()
             return depth
 
