@@ -118,7 +118,7 @@ class CacheCalls:
                 asyncio.events._set_running_loop(before)
                 self._hook = hook_before
             self._lock.release()
-            if outer:
+            if outer and getattr(self._loop.loop, "_ready", True):  # it has callbacks this call scheduled
                 self._loop.wake()
 
     def _loop_call(self) -> None:
