@@ -1,7 +1,8 @@
 """The event loops tiered_kv itself creates: uvloop when it is importable, asyncio's own otherwise.
 
 Only the loops this package starts come from here: ``tiered-kv replay``, ``tiered-kv bench`` and the
-vLLM connector's loop thread. A frontend that embeds TieredKVCache runs it on its own loop, whatever
+vLLM connector's loop threads, but for a ``LoopThread`` over a state lock (the connector's scheduler
+half), which is always asyncio's selector loop: it lets go of the lock around its polls (state_lock.py). A frontend that embeds TieredKVCache runs it on its own loop, whatever
 that is; nothing here installs a policy or touches a loop the caller made.
 
 ``TIERED_KV_UVLOOP`` chooses: unset or ``auto`` takes uvloop when importable; ``0``/``off``/``false``/``no``

@@ -200,8 +200,8 @@ class CacheCalls:
                     if rest is not None:  # a block left the CPU tier: its promotion runs, copying nothing
                         self._loop_call()
                         self._loop.submit(rest).add_done_callback(_ignore)
-                    if fut is None:
-                        break
+                    if fut is None or (fut.done() and fut.exception() is not None):
+                        break  # nothing queued (a job refused at once is never sent either)
                     futures.append(fut)
                     planned += n
             if grouped and planned < n_blocks:
