@@ -125,13 +125,9 @@ class TieredKVCache:
         """The copy engine between the GPU blocks and the CPU slab, while the cache is open."""
         return self._res.engine
 
-    @property
-    def disk(self) -> Any:
-        return self._res.disk
-
-    @property
-    def remote(self) -> Any:
-        return self._res.remote
+    disk = property(lambda self: self._res.disk)
+    remote = property(lambda self: self._res.remote)
+    runners = property(lambda self: self._runners, doc="The data path's runners while open (cache_sync.py).")
 
     # -- lifecycle (lifecycle.py: all or nothing, one close task) -----------------------
     async def start(self) -> TieredKVCache:

@@ -1,7 +1,8 @@
 """The event loops tiered_kv itself creates: uvloop when it is importable, asyncio's own otherwise.
 
 Only the loops this package starts come from here: ``tiered-kv replay``, ``tiered-kv bench`` and the
-vLLM connector's loop thread. A frontend that embeds TieredKVCache runs it on its own loop, whatever
+vLLM connector's loop threads, but for a ``LoopThread`` over a state lock (the connector's scheduler
+half), which is always asyncio's selector loop: it lets go of the lock around its polls (state_lock.py). A frontend that embeds TieredKVCache runs it on its own loop, whatever
 that is; nothing here installs a policy or touches a loop the caller made.
 
 ``TIERED_KV_UVLOOP`` chooses: unset or ``auto`` takes uvloop when importable; ``0``/``off``/``false``/``no``
@@ -19,6 +20,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from .errors import ConfigError, TransferError
+from .state_lock import StateLock, locked_loop
 
 __all__ = ["ENV_VAR", "LoopThread", "loop_factory", "new_loop", "run", "uvloop_chosen"]
 
@@ -78,10 +80,13 @@ class LoopThread:
     """An event loop (``new_loop``) on a daemon thread; ``call`` waits for a coroutine, ``submit`` does not.
 
     For a caller on a synchronous thread (vLLM's engine thread) driving a cache that lives on the loop.
+    ``lock`` (a ``state_lock.StateLock``): the loop is asyncio's selector loop, holding the lock but while
+    it waits for I/O; a call made while holding the lock lets go of it until the call returns.
     """
 
-    def __init__(self, name: str = "tiered-kv-loop", device: Any = None) -> None:
-        self._loop = new_loop()
+    def __init__(self, name: str = "tiered-kv-loop", device: Any = None, lock: StateLock | None = None) -> None:
+        self._lock = lock
+        self._loop = new_loop() if lock is None else locked_loop(lock)
         self._device = device
         self._thread = threading.Thread(target=self._run_loop, name=name, daemon=True)
         self._thread.start()
@@ -93,7 +98,25 @@ class LoopThread:
             import torch
 
             torch.cuda.set_device(self._device)
-        self._loop.run_forever()
+        if self._lock is None:
+            self._loop.run_forever()
+            return
+        self._lock.acquire(polite=True)
+        try:
+            self._loop.run_forever()
+        finally:
+            self._lock.release()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def wake(self) -> None:
+        """Make the loop look at its callbacks again (a caller under the lock may have scheduled some)."""
+        try:
+            self._loop.call_soon_threadsafe(_nothing)
+        except RuntimeError:  # closed
+            pass
 
     def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
         """Start ``coro`` on the loop; its outcome comes back on the returned future."""
@@ -115,6 +138,14 @@ class LoopThread:
             task[0].add_done_callback(lambda t: _settle(outcome, t))
 
         self._loop.call_soon_threadsafe(start)
+        depth = self._lock.suspend() if self._lock is not None else 0  # the loop needs it to run the call
+        try:
+            return self._wait(outcome, task, timeout)
+        finally:
+            if depth:
+                self._lock.resume(depth)
+
+    def _wait(self, outcome: concurrent.futures.Future, task: list[asyncio.Task], timeout: float) -> Any:
         try:
             return outcome.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -137,9 +168,18 @@ class LoopThread:
     def stop(self) -> None:
         """Stop the loop and join its thread (the loop is closed once the thread has ended)."""
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=30)
+        depth = self._lock.suspend() if self._lock is not None else 0
+        try:
+            self._thread.join(timeout=30)
+        finally:
+            if depth:
+                self._lock.resume(depth)
         if not self._thread.is_alive():
             self._loop.close()
+
+
+def _nothing() -> None:
+    pass
 
 
 def _settle(outcome: concurrent.futures.Future, task: asyncio.Task) -> None:

@@ -55,8 +55,9 @@ def request_scope(req_id: str | None) -> Iterator[None]:
 @dataclass(eq=False)
 class _Entry:
     job: ShardJob
-    future: asyncio.Future[None]
-    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[None] | None  # None: ``done`` is called instead (``copy_now``)
+    loop: asyncio.AbstractEventLoop | None
+    done: Callable[[BaseException | None], None] | None = None
     ranks: set[int] = field(default_factory=set)
     failed: list[int] = field(default_factory=list)
     deadline: float = 0.0
@@ -84,6 +85,10 @@ class ProxyCopyEngine:
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         self._closed = False
         self._close_task: asyncio.Future[None] | None = None
+        try:  # the cache's loop (built there): the report timers of ``copy_now`` jobs run on it
+            self._home: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._home = None
 
     # -- the cache's side (on its loop) ----------------------------------------------------
     # ``compute`` (the engine interface's compute event) orders nothing here: each worker records its own,
@@ -120,6 +125,35 @@ class ProxyCopyEngine:
         kind = Direction.STORE if direction == STORE else Direction.LOAD
         return CopyHandle(future, len(gpu_ids) * self.bytes_per_block, kind)
 
+    def copy_now(self, direction: Direction, src_ids: np.ndarray, dst_ids: np.ndarray,
+                 done: Callable[[BaseException | None], None]) -> None:  # fmt: skip
+        """Queue a job with no asyncio future (from any thread, the caller holding the cache's state lock):
+        ``done(error)`` is called once every rank reported it (in ``report``'s thread), or it failed
+        (cancelled, expired, abandoned: in that call's thread). The dispatcher's threaded start for a
+        caller that plans in its own thread (the scheduler's hooks)."""
+        if self._closed:
+            raise TransferError("copy_now on a closed ProxyCopyEngine")
+        if direction == Direction.STORE:
+            gpu, cpu = check_id_arrays(src_ids, dst_ids, src_len=self.num_blocks, dst_len=self.num_slots,
+                                       src_name="gpu block id", dst_name="cpu slot")  # fmt: skip
+        else:
+            cpu, gpu = check_id_arrays(src_ids, dst_ids, src_len=self.num_slots, dst_len=self.num_blocks,
+                                       src_name="cpu slot", dst_name="gpu block id")  # fmt: skip
+        req_id = _REQUEST.get()
+        kind = STORE if direction == Direction.STORE else LOAD
+        with self._lock:
+            job = ShardJob(self._next_id, kind, gpu, cpu, req_id)
+            self._next_id += 1
+            cancelled = req_id is not None and req_id in self._cancelled
+            entry = _Entry(job, None, self._home, done)
+            if not cancelled:
+                self._queued[job.job_id] = entry
+        if cancelled:
+            _settle(entry, f"job {job.job_id} ({kind} of {len(job)} blocks) of cancelled request {req_id!r} "
+                           "was never sent")  # fmt: skip
+        elif self._on_job is not None:
+            self._on_job()
+
     @property
     def inflight(self) -> int:
         """Jobs queued or sent and not yet resolved."""
@@ -142,7 +176,7 @@ class ProxyCopyEngine:
             for e in entries:
                 e.deadline = deadline
                 self._sent[e.job.job_id] = e
-        loops = {e.loop for e in entries}
+        loops = {e.loop for e in entries if e.loop is not None}
         for loop in loops:  # one timer per batch: a rank that never reports cannot hang the cache
             _call_soon(loop, loop.call_later, self.report_timeout_s + 0.01, self.expire)
         return [e.job for e in entries]
@@ -258,10 +292,14 @@ class ProxyCopyEngine:
             _settle(e, f"job {e.job.job_id} was never sent: the cache closed")
         while True:
             with self._lock:
-                futures = [e.future for e in self._sent.values()]
-            if not futures:
+                futures = [e.future for e in self._sent.values() if e.future is not None]
+                others = len(self._sent) - len(futures)  # copy_now jobs: their reports come from another thread
+            if not futures and not others:
                 return
-            await asyncio.wait(futures, timeout=self.report_timeout_s + 0.05)
+            if others:
+                await asyncio.sleep(0.01)
+            else:
+                await asyncio.wait(futures, timeout=self.report_timeout_s + 0.05)
             self.expire()
 
 
@@ -271,8 +309,15 @@ def _failure(e: _Entry) -> str:
 
 
 def _settle(e: _Entry, why: str | None) -> None:
-    """Resolve an entry's future on its own loop (we may be on another thread)."""
-    _call_soon(e.loop, _resolve, e.future, why)
+    """Resolve an entry's future on its own loop (we may be on another thread); a ``copy_now`` job's
+    ``done`` is called here and now."""
+    if e.done is None:
+        _call_soon(e.loop, _resolve, e.future, why)
+        return
+    try:
+        e.done(None if why is None else TransferError(why))
+    except Exception:
+        log.exception("tiered_kv: finishing job %d failed", e.job.job_id)
 
 
 def _resolve(future: asyncio.Future[None], why: str | None) -> None:

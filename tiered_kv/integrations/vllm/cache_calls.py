@@ -2,7 +2,11 @@
 
 The cache (``cross_process.SchedulerCache``: the TieredKVCache over the shared segment, and the proxy
 engine whose jobs the workers copy) lives on an asyncio loop in a thread owned here
-(``loops.LoopThread``); each call below hops onto it and, but for the ones that say otherwise, waits.
+(``loops.LoopThread``), which keeps only I/O (disk and Redis reads and writes, spills, promotions) and
+holds the cache's state lock (state_lock.py) but while it waits for it. vLLM's thread takes the same
+lock (``locked``) and calls the cache directly: lookups, load and store planning (cache_sync.py; their
+jobs are queued on the proxy at once), events, stats. Only a reset, the open and close, an
+asynchronous load and what must wait for I/O hop onto the loop (counted: ``loop_calls_<hook>``).
 The scheduler half (scheduler_half.py) keeps vLLM's request and step state and reaches the cache only
 through this class and the proxy it hands out (``proxy``: the jobs to send, the ranks' reports, fences).
 """
@@ -11,25 +15,28 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import functools
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any
 
+from ...cache_sync import load_sync, store_sync
 from ...config import Config
 from ...cross_process import (
     ProxyCopyEngine,
     SchedulerCache,
     gather_loads,
     open_scheduler_cache,
+    request_scope,
     run_tagged,
-    start_stores,
-    start_sync_load,
 )
 from ...errors import ConfigError
 from ...layout import KVLayout
 from ...loops import LoopThread
+from ...state_lock import StateLock
 from .hints import RequestHints
 from .hits import Hit
 
@@ -44,8 +51,10 @@ class CacheCalls:
     """The scheduler's cache on its loop thread (module docstring); ``counters`` is the half's."""
 
     def __init__(self, counters: Counter[str]) -> None:
-        self._loop = LoopThread("tiered-kv-scheduler")
+        self._lock = StateLock()
+        self._loop = LoopThread("tiered-kv-scheduler", lock=self._lock)
         self._counters = counters
+        self._hook: str | None = None
         self._opened: SchedulerCache | None = None
 
     # -- start and stop ---------------------------------------------------------------------------
@@ -81,47 +90,86 @@ class CacheCalls:
         close the cache, stop the loop thread. Never raises: closing must not take the engine down."""
         try:
             if self._opened is not None:
-                self._opened.proxy.abandon(why)
+                with self.locked():
+                    self._opened.proxy.abandon(why)
                 self._loop.call(self._opened.aclose())
         except Exception:
             log.exception("tiered_kv: closing the scheduler cache failed")
         finally:
             self._loop.stop()
 
+    # -- the state lock: vLLM's thread calls the cache directly (state_lock.py) -------------------
+    @contextlib.contextmanager
+    def locked(self, hook: str | None = None) -> Iterator[None]:
+        """Hold the cache's state lock: the loop is parked between callbacks, and is this thread's running
+        loop meanwhile (what the cache schedules on it runs once the lock is let go: the loop is woken).
+        ``hook``: the half's hook this is, for the ``loop_calls_<hook>`` counters."""
+        outer = not self._lock.held_by_me()
+        self._lock.acquire()
+        before = hook_before = None
+        if outer:
+            before, hook_before = asyncio.events._get_running_loop(), self._hook
+            asyncio.events._set_running_loop(self._loop.loop)
+            self._hook = hook or self._hook
+        try:
+            yield
+        finally:
+            if outer:
+                asyncio.events._set_running_loop(before)
+                self._hook = hook_before
+            self._lock.release()
+            if outer and getattr(self._loop.loop, "_ready", True):  # it has callbacks this call scheduled
+                self._loop.wake()
+
+    def _loop_call(self) -> None:
+        """Count a hop onto the loop thread (``call`` or ``submit``) for the hook making it."""
+        self._counters["loop_calls"] += 1
+        self._counters[f"loop_calls_{self._hook or 'other'}"] += 1
+
     # -- residency ---------------------------------------------------------------------------------
     def find_hit(self, rid: str, lookup: Callable[[Any], Hit | None]) -> Hit | None:
-        """``lookup(cache)`` run on the loop (tails.Tails.find: the longest hit, its blocks touched); None
-        for none, or when the lookup failed (logged: a miss)."""
+        """``lookup(cache)`` (tails.Tails.find: the longest hit, its blocks touched), here, under the
+        lock; None for none, or when the lookup failed (logged: a miss)."""
         cache = self.opened.cache
-
-        async def run() -> Hit | None:
-            return lookup(cache)
-
         try:
-            return self._loop.call(run())
+            with self.locked():
+                return lookup(cache)
         except Exception as exc:
             log.warning("tiered_kv: lookup for %s failed, treating it as a miss: %r", rid, exc)
             return None
 
-    # -- the jobs a step plans (cross_process.step_jobs: each queued before the step's jobs are taken) --
+    # -- the jobs a step plans: queued in vLLM's thread, before the step's jobs are taken ------------
     def start_stores(self, stores: Sequence[Store]) -> list[concurrent.futures.Future]:
-        """Start each store, its jobs tagged; their outcomes (a failure is a future miss)."""
-        cache = self.opened.cache
-        tagged = [
-            (tag, self._store(cache, keys, ids, prefix, hints, cold))
-            for tag, keys, ids, prefix, hints, cold in stores
-        ]
-        return self._loop.call(start_stores(self.proxy, tagged))
+        """Plan each store here (cache_sync.store_sync), its jobs tagged; their outcomes (a failure is a
+        future miss). One that must wait (room, a spill, the byte budget) runs on the loop: its job
+        rides in a later step, its blocks held until it resolves."""
+        out = []
+        with self.locked():
+            cache = self.opened.cache
+            for tag, keys, ids, prefix, hints, cold in stores:
+                with request_scope(tag):
+                    try:
+                        fut, rest = store_sync(cache, keys, ids, prefix=prefix, session=hints.session,
+                                               expect_followup=hints.expect_followup)  # fmt: skip
+                    except Exception as exc:
+                        fut, rest = concurrent.futures.Future(), None
+                        fut.set_exception(exc)
+                if rest is not None:
+                    self._loop_call()
+                    fut = self._loop.submit(run_tagged(tag, rest))
+                fut.add_done_callback(functools.partial(self._stored, cache, keys, cold))
+                out.append(fut)
+        return out
 
-    async def _store(
-        self, cache: Any, keys: list[bytes], ids: list[int], prefix: list[bytes], hints: RequestHints, cold: bool
-    ) -> None:
-        res = await cache.store(
-            keys, ids, prefix=prefix, session=hints.session, expect_followup=hints.expect_followup
-        )
-        if cold:  # a partial tail: dropped before any full block (tails.py)
-            cache.manager.demote(keys)
-        self._counters["stored_tail_blocks" if cold else "stored_blocks"] += getattr(res, "stored", 0)
+    def _stored(self, cache: Any, keys: list[bytes], cold: bool, fut: concurrent.futures.Future) -> None:
+        """(under the lock: the report's or the loop's thread) A store's outcome: counted; a partial
+        tail is put at the cold end (tails.py)."""
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        with self.locked():
+            if cold:
+                cache.manager.demote(keys)
+            self._counters["stored_tail_blocks" if cold else "stored_blocks"] += getattr(fut.result(), "stored", 0)
 
     def load_later(
         self, tag: str, parts: Parts, *, grouped: bool, cold: Sequence[bytes] = ()
@@ -129,16 +177,40 @@ class CacheCalls:
         """Start an asynchronous load of ``parts`` ((keys, block ids) per group) without waiting for it:
         the blocks it landed (one count, or one per group when ``grouped``) come on the future. ``cold``:
         keys put back at the cold end once it ends (a partial tail it loaded, which the load touched)."""
+        self._loop_call()
         return self._loop.submit(run_tagged(tag, self._load(parts, grouped, cold)))
 
     def load_now(
         self, tag: str, parts: Parts, n_blocks: int, *, grouped: bool, cold: Sequence[bytes] = ()
     ) -> tuple[concurrent.futures.Future | None, int]:
-        """A synchronous load: its job is queued for this step, or nothing is (step_jobs.start_sync_load;
-        ``grouped``: every group's blocks or none)."""
-        return self._loop.call(
-            start_sync_load(self.proxy, tag, self._load(parts, grouped, cold), n_blocks, all_or_none=grouped)
-        )
+        """A synchronous load planned here (cache_sync.load_sync), its jobs queued for this step, or
+        nothing is: (outcome, blocks planned). Blocks past the planned ones are never loaded (the tag is
+        sealed). ``grouped``: every group's blocks or none (the queued ones are failed unsent)."""
+        with self.locked():
+            cache, proxy = self.opened.cache, self.proxy
+            futures: list[concurrent.futures.Future] = []
+            planned = 0
+            with request_scope(tag):
+                for keys, ids in parts:
+                    if not keys:  # a group with nothing to load (all of its range computed by vLLM)
+                        futures.append(concurrent.futures.Future())
+                        futures[-1].set_result(0)
+                        continue
+                    fut, rest, n = load_sync(cache, keys, ids)
+                    if rest is not None:  # a block left the CPU tier: its promotion runs, copying nothing
+                        self._loop_call()
+                        self._loop.submit(rest).add_done_callback(_ignore)
+                    if fut is None or (fut.done() and fut.exception() is not None):
+                        break  # nothing queued (a job refused at once is never sent either)
+                    futures.append(fut)
+                    planned += n
+            if grouped and planned < n_blocks:
+                proxy.cancel_request(tag)
+                planned = 0
+            proxy.seal_request(tag)
+            if not planned:
+                return None, 0
+            return _joined(futures, grouped, lambda: cache.manager.demote(cold) if cold else None), min(planned, n_blocks)
 
     def _load(self, parts: Parts, grouped: bool, cold: Sequence[bytes]) -> Coroutine[Any, Any, Any]:
         cache = self.opened.cache
@@ -153,6 +225,7 @@ class CacheCalls:
         """Once the request's stores resolved, make the session's chain the first to evict; then ``then``
         (off the loop). Returns at once."""
         cache = self.opened.cache
+        self._loop_call()
 
         async def release() -> None:
             if stores:  # a failed store is no reason to keep the session
@@ -164,27 +237,48 @@ class CacheCalls:
 
     def reset(self) -> bool:
         """Every tier forgets every block (TieredKVCache.reset); False when it could not."""
+        self._loop_call()
         return bool(self._loop.call(self.opened.cache.reset()))
 
     def take_events(self) -> list[tuple[str, str, list[bytes]]]:
         """The tiers' events since the last call (kind, tier, keys)."""
-        cache = self.opened.cache
-
-        async def run() -> list[tuple[str, str, list[bytes]]]:
-            return cache.take_events()
-
-        return self._loop.call(run())
+        with self.locked():
+            return self.opened.cache.take_events()
 
     def stats(self) -> dict[str, Any]:
         """The cache's stats ({} before it opened)."""
         if self._opened is None:
             return {}
-        cache = self._opened.cache
+        with self.locked():
+            return self._opened.cache.stats()
 
-        async def run() -> dict[str, Any]:
-            return cache.stats()
 
-        return self._loop.call(run())
+def _ignore(fut: concurrent.futures.Future) -> None:
+    fut.cancelled() or fut.exception()
+
+
+def _joined(futures: list[concurrent.futures.Future], grouped: bool, then: Callable[[], Any]) -> concurrent.futures.Future:
+    """One outcome for a load's parts: the blocks landed (one count, or one per group when ``grouped``:
+    a failed group landed none); ``then`` runs once all ended (in the thread that ended the last)."""
+    out: concurrent.futures.Future = concurrent.futures.Future()
+    left = [len(futures)]
+
+    def one(_: concurrent.futures.Future) -> None:
+        left[0] -= 1
+        if left[0]:
+            return
+        try:
+            then()
+        finally:
+            if not grouped:
+                f = futures[0]
+                out.set_exception(f.exception()) if f.exception() is not None else out.set_result(f.result())
+            else:
+                out.set_result([0 if f.exception() is not None else int(f.result()) for f in futures])
+
+    for f in futures:
+        f.add_done_callback(one)
+    return out
 
 
 async def _then_demote(cache: Any, load: Coroutine[Any, Any, Any], keys: Sequence[bytes]) -> Any:

@@ -1,14 +1,14 @@
 """The connector's scheduler half: vLLM's requests and steps over the cache's whole state.
 
 The cache (cross_process.SchedulerCache: manager, disk, remote; its CPU tier is the shared segment) is
-reached through cache_calls.CacheCalls, which runs it on a loop thread; its GPU<->CPU copies are queued
-by the proxy engine as jobs that ``build_meta`` hands to the workers. Each step keeps vLLM's protocol
+reached through cache_calls.CacheCalls: each hook holds the cache's state lock and calls it directly in
+vLLM's thread (the loop thread keeps only I/O); its GPU<->CPU copies are queued by the proxy engine as
+jobs that ``build_meta`` hands to the workers. Each step keeps vLLM's protocol
 (README, "Use with vLLM", the step protocol):
 
 - a hit whose blocks are all in the CPU tier is served in the step it is found: ``matched_tokens``
-  answers it as a synchronous load, ``after_alloc`` pins the slots and queues the job before vLLM's
-  thread goes on (cross_process.step_jobs.start_sync_load), and the workers copy it before this step's
-  forward;
+  answers it as a synchronous load, ``after_alloc`` plans it and queues its job in vLLM's thread
+  (cache_sync.load_sync), and the workers copy it before this step's forward;
 - any other hit (disk, Redis, blocks another request is still storing) is an asynchronous load: the
   request waits (WAITING_FOR_REMOTE_KVS) until every rank landed it;
 - stores are planned for the blocks this step's forward computes and issued by the workers in
@@ -20,9 +20,12 @@ by the proxy engine as jobs that ``build_meta`` hands to the workers. Each step 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
+import time
 from collections import Counter
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from ...cross_process import STORE
 from ...errors import ConfigError
@@ -43,6 +46,27 @@ from .stores import StoreBook
 from .tails import Tails
 
 log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _hook(name: str) -> Callable[[F], F]:
+    """A vLLM hook: run under the cache's state lock (CacheCalls.locked: the cache is called directly in
+    vLLM's thread), timed into ``hook_us_<name>`` / ``hook_calls_<name>`` (the connector's time per step)."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def run(self: SchedulerHalf, *args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                with self._calls.locked(name):
+                    return fn(self, *args, **kwargs)
+            finally:
+                self.counters[f"hook_us_{name}"] += int((time.perf_counter() - t0) * 1e6)
+                self.counters[f"hook_calls_{name}"] += 1
+
+        return run  # type: ignore[return-value]
+
+    return wrap
 
 
 class SchedulerHalf:
@@ -132,6 +156,7 @@ class SchedulerHalf:
         """vLLM's get_loaded_kv_cache_group_ids: a hit restores every group tiered_kv stores."""
         return self._groups.ids
 
+    @_hook("matched_tokens")
     def matched_tokens(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
         rid = request.request_id
         if self._loads.in_flight(rid):
@@ -156,12 +181,14 @@ class SchedulerHalf:
         # is freed by reports only later steps bring); anything else asynchronously.
         return n, not hit.in_cpu
 
+    @_hook("after_alloc")
     def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
         keys = self._keys.get(request.request_id, list(request.prompt_token_ids or []))
         ids = blocks.get_block_ids()
         self._loads.start(request.request_id, keys, [list(ids[g.index]) for g in self._groups.groups], num_external)
 
     # -- each step ------------------------------------------------------------------------------
+    @_hook("build_meta")
     def build_meta(self, so: Any) -> TieredKVMetadata:
         meta = TieredKVMetadata()
         if not self._calls.is_open:
@@ -248,6 +275,7 @@ class SchedulerHalf:
             future.add_done_callback(_log_store_failure)
             req.pending_stores().append(future)
 
+    @_hook("update_output")
     def update_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if not self._calls.is_open or meta is None:
@@ -265,6 +293,7 @@ class SchedulerHalf:
     def has_jobs_in_flight(self) -> bool:
         return self._calls.is_open and self._calls.proxy.inflight > 0
 
+    @_hook("request_finished")
     def request_finished(self, request: Any) -> bool:
         """True: vLLM keeps the request's blocks until a later step reports its stores resolved (a
         synchronous load has landed before its step's forward; window stores are fenced next step, as
@@ -289,6 +318,7 @@ class SchedulerHalf:
             return False
         return self._store_book.hold(rid, stores)
 
+    @_hook("reset")
     def reset(self) -> bool:
         """vLLM's reset_prefix_cache(reset_connector=True), e.g. after a weight update: every tier forgets
         every block (disk records invalidated for good, the Redis namespace emptied). False, changing
@@ -309,6 +339,7 @@ class SchedulerHalf:
     def bind_vllm_cache(self, kv_cache_manager: Any) -> None:
         self._vllm_cache = kv_cache_manager
 
+    @_hook("take_events")
     def take_events(self) -> list[Any]:
         """The tiers' stored/removed blocks since the last call, as vLLM KV events in vLLM's block hashes."""
         if not self._calls.is_open or not self._events_on:

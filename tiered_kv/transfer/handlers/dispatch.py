@@ -38,6 +38,10 @@ InlineHandler = Callable[[Any], bool]
 # A threaded starter hands one job to the engine's thread: ``starter(job, token, done)``; ``done(error)``
 # runs on the loop once the job has landed, ``token`` is the caller's future (in flight until then).
 ThreadedStarter = Callable[[Any, "asyncio.Future[Any]", Callable[[BaseException | None], None]], None]
+# A "now" starter queues one job from the calling thread (no loop involved): ``starter(job, done)``;
+# ``done(error)`` runs in whichever thread learns that the job has landed or failed (the proxy engine's
+# reports: the scheduler's own thread, holding the cache's state lock).
+NowStarter = Callable[[Any, Callable[[BaseException | None], None]], None]
 
 
 @dataclass
@@ -66,6 +70,7 @@ class Dispatcher:
         self._handlers: dict[tuple[str, str], Handler] = {}
         self._inline: dict[tuple[str, str], InlineHandler] = {}
         self._threaded: dict[tuple[str, str], ThreadedStarter] = {}
+        self._now: dict[tuple[str, str], NowStarter] = {}
 
     def register(self, src: str, dst: str, handler: Handler) -> None:
         if src not in MEDIA or dst not in MEDIA or src == dst:
@@ -107,9 +112,29 @@ class Dispatcher:
         once; ``done(error)`` runs on the loop once it has landed (the budget is released first).
         False, having done nothing, otherwise: the job must go through ``run``."""
         starter = self._threaded.get((src, dst))
+        if starter is None:
+            return False
+        return self._start(src, dst, job, lambda landed: starter(job, token, landed), done)
+
+    def register_now(self, src: str, dst: str, starter: NowStarter) -> None:
+        if (src, dst) not in DIRECTIONS:
+            raise TransferError(f"cannot register a now starter for {src!r} -> {dst!r}")
+        self._now[(src, dst)] = starter
+
+    def start_now(self, src: str, dst: str, job: Any, done: Callable[[BaseException | None], None]) -> bool:
+        """Queue ``job`` from this thread when a now starter is registered and the budget admits it at once
+        (a try-take: never waits); ``done(error)`` runs once it has landed (the budget is released first).
+        False, having done nothing, otherwise."""
+        starter = self._now.get((src, dst))
+        if starter is None:
+            return False
+        return self._start(src, dst, job, lambda landed: starter(job, landed), done)
+
+    def _start(self, src: str, dst: str, job: Any, start: Callable[[Callable[[BaseException | None], None]], None],
+               done: Callable[[BaseException | None], None]) -> bool:  # fmt: skip
         n = len(job)
         nbytes = n * self._bpb
-        if starter is None or not self._budget.take_now(nbytes):
+        if not self._budget.take_now(nbytes):
             return False
         self._metrics.inflight_bytes.set(self._budget.used)
         t0 = time.perf_counter()
@@ -122,7 +147,7 @@ class Dispatcher:
             done(error)
 
         try:
-            starter(job, token, landed)
+            start(landed)
         except BaseException:
             self._budget.release(nbytes)
             self._metrics.inflight_bytes.set(self._budget.used)

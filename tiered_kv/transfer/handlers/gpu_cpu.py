@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..engines.base import CopyEngine, Direction
-from .dispatch import CopyJob, Dispatcher, InlineHandler, ThreadedStarter
+from .dispatch import CopyJob, Dispatcher, InlineHandler, NowStarter, ThreadedStarter
 
 
 def store_handler(engine: CopyEngine):
@@ -53,6 +53,18 @@ def threaded_starter(engine: CopyEngine, direction: Direction) -> ThreadedStarte
     return run
 
 
+def now_starter(engine: CopyEngine, direction: Direction) -> NowStarter | None:
+    """The engine's loop-free queueing (``copy_now``: the cross-process proxy engine), or None."""
+    start = getattr(engine, "copy_now", None)
+    if start is None:
+        return None
+
+    def run(job: CopyJob, done) -> None:
+        start(direction, job.src_ids, job.dst_ids, done)
+
+    return run
+
+
 def register_engine(dispatcher: Dispatcher, engine: CopyEngine) -> None:
     """GPU <-> CPU through ``engine``: awaited batches, plus the inline and threaded copies a host engine offers."""
     dispatcher.register("gpu", "cpu", store_handler(engine))
@@ -63,3 +75,6 @@ def register_engine(dispatcher: Dispatcher, engine: CopyEngine) -> None:
             dispatcher.register_inline(src, dst, inline)
         if threaded is not None:
             dispatcher.register_threaded(src, dst, threaded)
+        now = now_starter(engine, direction)
+        if now is not None:
+            dispatcher.register_now(src, dst, now)

@@ -11,8 +11,9 @@ is waited for (``Progress``). CPU hits alone, copied inline, load within the cal
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import numpy as np
@@ -78,6 +79,45 @@ class LoadRunner:
         control = MoveControl(compute)
         control.before_copy = before_copy
         return await run_move(self._tasks, control, self._run(control, keys, ids, exclusive, plan))
+
+    def load_sync(
+        self, keys: list[bytes], ids: np.ndarray
+    ) -> tuple[concurrent.futures.Future | None, Coroutine[Any, Any, int] | None, int]:
+        """Plan a load in the caller's thread (the cache's state lock held, its loop parked) and queue
+        its copy at once through the dispatcher's ``start_now``: (outcome, None, blocks planned), the
+        outcome resolved with the blocks landed once the copy's engine reports it. (None, None, 0): nothing
+        could start now (no CPU hit left, the byte budget held); nothing is held. (None, rest, 0): the plan
+        must wait for I/O (a promotion, a spill): ``rest`` runs it on the loop, copying nothing into the
+        GPU blocks."""
+        m = self._m
+        plan = m.prepare_load(keys, self._max_promote, exclusive=False)
+        if any(p is not None for p in (plan.promote, plan.fetch, plan.spill, plan.restage, plan.remote_spill)):
+            control = MoveControl()
+            control.cancelled = True  # the caller gave up on it: only its reads and spills run
+            return None, run_move(self._tasks, control, self._run(control, keys, ids, False, plan)), 0
+        n = len(plan)
+        if not n:
+            return None, None, 0
+        out: concurrent.futures.Future = concurrent.futures.Future()
+
+        def landed(error: BaseException | None) -> None:
+            try:
+                m.complete_load(plan, 0 if error is not None else n)
+            finally:
+                self._progress.notify()
+            out.set_exception(error) if error is not None else out.set_result(n)
+
+        try:
+            started = self._dispatch.start_now("cpu", "gpu", CopyJob(plan.cpu_slots, ids[:n]), landed)
+        except BaseException:
+            m.complete_load(plan, 0)
+            self._progress.notify()
+            raise
+        if not started:
+            m.complete_load(plan, 0)
+            self._progress.notify()
+            return None, None, 0
+        return out, None, n
 
     def _load_now(
         self, keys: list[bytes], ids: np.ndarray, exclusive: bool

@@ -11,7 +11,8 @@ come between; a larger host copy goes to the engine's thread with one hand-off
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+import concurrent.futures
+from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +76,46 @@ class StoreRunner:
         self._m.announce(keys)
         control = MoveControl(compute)
         return await run_move(self._tasks, control, self._run_after(control, after, keys, ids, prefix))
+
+    def store_sync(
+        self, keys: list[bytes], ids: np.ndarray, prefix: list[bytes]
+    ) -> tuple[concurrent.futures.Future | None, Coroutine[Any, Any, StoreResult] | None]:
+        """Plan a store in the caller's thread (the cache's state lock held, its loop parked): when nothing
+        must wait, commit it (nothing to copy) or queue its copy through the dispatcher's ``start_now``:
+        (outcome, None). Else (None, rest): ``rest`` executes the plan on the loop (spills, room to wait
+        for, the byte budget), its copy queued whenever it gets there: still correct for a store."""
+        m = self._m
+        plan = m.prepare_store(keys, ids, prefix)
+        out: concurrent.futures.Future = concurrent.futures.Future()
+        waits = plan.spill is not None or plan.remote_spill is not None
+        if not waits and plan.unplaced and not len(plan.cpu_slots) and (m.cpu.n_reserved or m.cpu.n_ready_pinned):
+            waits = True  # room may come free: the run waits for it
+        if not waits and len(plan.cpu_slots):
+
+            def landed(error: BaseException | None) -> None:
+                try:
+                    stored = self._finish(plan, error is None)
+                except BaseException as exc:
+                    out.set_exception(exc)
+                    return
+                if error is not None:
+                    out.set_exception(error)
+                else:
+                    out.set_result(self._result(len(keys), stored, plan.deduped, plan.in_flight))
+
+            try:
+                waits = not self._dispatch.start_now("gpu", "cpu", CopyJob(plan.gpu_ids, plan.cpu_slots), landed)
+            except BaseException:
+                self._finish(plan, False)
+                raise
+            if not waits:
+                return out, None
+        if waits:
+            control = MoveControl()
+            return None, run_move(self._tasks, control, self._run(control, keys, ids, prefix, plan))
+        stored = self._finish(plan, True)
+        out.set_result(self._result(len(keys), stored, plan.deduped, plan.in_flight))
+        return out, None
 
     def _store_now(
         self, keys: list[bytes], ids: np.ndarray, prefix: list[bytes]
