@@ -142,7 +142,12 @@ class LoadRunner:
         )
 
     async def _run(
-        self, control: MoveControl, keys: list[bytes], ids: np.ndarray | None, exclusive: bool, plan: LoadPlan | None
+        self,
+        control: MoveControl,
+        keys: list[bytes],
+        ids: np.ndarray | None,
+        exclusive: bool,
+        plan: LoadPlan | None,
     ) -> int:
         """Load chunk by chunk, from ``plan`` (made by ``_load_now``; planned here when None); ``ids`` None:
         promote only (no GPU copy)."""
@@ -215,7 +220,9 @@ class LoadRunner:
             await _before_copy(control)
             if n and not control.cancelled:
                 if ids is not None:  # None: a promotion, the run stays in its CPU slots
-                    await self._dispatch.run("cpu", "gpu", CopyJob(plan.cpu_slots[:n], ids[:n], control.compute))
+                    await self._dispatch.run(
+                        "cpu", "gpu", CopyJob(plan.cpu_slots[:n], ids[:n], control.compute)
+                    )
             else:
                 n = 0
         except BaseException:
