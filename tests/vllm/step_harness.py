@@ -43,7 +43,16 @@ def request(rid: str, prompt: list[int], **extra) -> NS:
 
 
 class Harness:
-    def __init__(self, tmp_path, *, cpu: str = "64KiB", forward_s: float = 0.02, inflight: str | None = None) -> None:
+    def __init__(
+        self,
+        tmp_path,
+        *,
+        cpu: str = "64KiB",
+        forward_s: float = 0.02,
+        inflight: str | None = None,
+        disk: str | None = None,
+        extra: dict | None = None,
+    ) -> None:
         self.kv = {"layer.0": torch.zeros(NB, BS, 2, WIDTH)}  # block, token, K/V, width
         bpb = BS * 2 * WIDTH * 4
         self.kcc = NS(num_blocks=NB, kv_cache_tensors=[NS(size=NB * bpb, shared_by=["layer.0"])],
@@ -57,6 +66,10 @@ class Harness:
         self.extra = {"config": {"tiers": {"cpu": {"capacity": cpu, "pin_memory": "off", "shared_path": str(shm)},
                                            "disk": {"enabled": False}},
                                  "transfer": {"engine": "host"}}}  # fmt: skip
+        if disk is not None:  # a disk tier of this capacity under tmp_path
+            tiers = self.extra["config"]["tiers"]
+            tiers["disk"] = {"enabled": True, "path": str(tmp_path / "disk"), "capacity": disk}
+        self.extra.update(extra or {})  # kv_connector_extra_config's other keys
         if inflight is not None:  # transfer.max_inflight_bytes
             self.extra["config"]["transfer"]["max_inflight_bytes"] = inflight
         eid = f"harness-{next(_ENGINES)}-{time.monotonic_ns()}"
