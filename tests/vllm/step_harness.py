@@ -52,11 +52,13 @@ class Harness:
         inflight: str | None = None,
         disk: str | None = None,
         extra: dict | None = None,
+        layers: int = 1,
     ) -> None:
-        self.kv = {"layer.0": torch.zeros(NB, BS, 2, WIDTH)}  # block, token, K/V, width
+        names = [f"layer.{i}" for i in range(layers)]
+        self.kv = {n: torch.zeros(NB, BS, 2, WIDTH) for n in names}  # block, token, K/V, width
         bpb = BS * 2 * WIDTH * 4
-        self.kcc = NS(num_blocks=NB, kv_cache_tensors=[NS(size=NB * bpb, shared_by=["layer.0"])],
-                      kv_cache_groups=[KVCacheGroupSpec(["layer.0"], FullAttentionSpec(
+        self.kcc = NS(num_blocks=NB, kv_cache_tensors=[NS(size=NB * bpb, shared_by=[n]) for n in names],
+                      kv_cache_groups=[KVCacheGroupSpec(names, FullAttentionSpec(
                           block_size=BS, num_kv_heads=1, head_size=WIDTH, dtype=torch.float32))])  # fmt: skip
         self.vcfg = NS(cache_config=NS(block_size=BS), model_config=NS(model="harness", revision=None),
                        parallel_config=NS(tensor_parallel_size=1, pipeline_parallel_size=1),
@@ -118,7 +120,10 @@ class Harness:
         w = self.worker
         w.handle_preemptions(meta)
         w.start(meta)  # before the forward (vLLM does so whenever the step has a synchronous load)
-        self.after_start = {k: v.clone() for k, v in self.kv.items()}
+        self.after_start = {}
+        for name, t in self.kv.items():  # each attention layer waits for its own rows, then reads them
+            w.wait_layer(name)
+            self.after_start[name] = t.clone()
         self._forward(new, cached)
         w.save()
         sending, recving = w.finished(set(finished))
@@ -150,14 +155,15 @@ class Harness:
         if end <= start:
             return
         vals = token_values(prompt[start:end])
-        for pos in range(start, end):
-            self.kv["layer.0"][blocks[pos // BS], pos % BS] = vals[pos - start]
+        for i, t in enumerate(self.kv.values()):  # layer i: the token's values + i / 4
+            for pos in range(start, end):
+                t[blocks[pos // BS], pos % BS] = vals[pos - start] + i / 4
 
     def holds(self, prompt: list[int], blocks: list[int], n_blocks: int, kv=None) -> bool:
         kv = kv if kv is not None else self.kv
         want = token_values(prompt[: n_blocks * BS]).reshape(n_blocks, BS, 2, WIDTH)
-        got = torch.stack([kv["layer.0"][b] for b in blocks[:n_blocks]])
-        return torch.equal(got, want)
+        got = [torch.stack([t[b] for b in blocks[:n_blocks]]) for t in kv.values()]
+        return all(torch.equal(g, want + i / 4) for i, g in enumerate(got))
 
     def idle(self, n: int = 3) -> None:
         """Empty steps (vLLM keeps stepping while the connector has jobs in flight)."""
