@@ -120,10 +120,6 @@ class Harness:
         w = self.worker
         w.handle_preemptions(meta)
         w.start(meta)  # before the forward (vLLM does so whenever the step has a synchronous load)
-        self.after_start = {}
-        for name, t in self.kv.items():  # each attention layer waits for its own rows, then reads them
-            w.wait_layer(name)
-            self.after_start[name] = t.clone()
         self._forward(new, cached)
         w.save()
         sending, recving = w.finished(set(finished))
@@ -147,15 +143,24 @@ class Harness:
             req = self.sched._reqs.get(rid)
             if req is not None:
                 todo.append((req.prompt, req.block_ids, c, s))
-        for prompt, blocks, computed, scheduled in todo:
-            self.write(prompt, blocks, computed, computed + scheduled)
+        # Layer by layer, in vLLM's order: the layer's new KV is written (unified_kv_cache_update), then its
+        # attention waits for its loads (wait_for_layer_load) and reads the layer (``after_start``).
+        self.after_start = {}
+        for i, (name, t) in enumerate(self.kv.items()):
+            for prompt, blocks, computed, scheduled in todo:
+                self.write(prompt, blocks, computed, computed + scheduled, layer=i)
+            self.worker.wait_layer(name)
+            self.after_start[name] = t.clone()
 
-    def write(self, prompt: list[int], blocks: list[int], start: int, end: int) -> None:
+    def write(self, prompt: list[int], blocks: list[int], start: int, end: int, layer: int | None = None) -> None:
+        """The forward's KV of positions [start, end): layer i holds the token's values + i / 4."""
         end = min(end, len(prompt))
         if end <= start:
             return
         vals = token_values(prompt[start:end])
-        for i, t in enumerate(self.kv.values()):  # layer i: the token's values + i / 4
+        for i, t in enumerate(self.kv.values()):
+            if layer is not None and i != layer:
+                continue
             for pos in range(start, end):
                 t[blocks[pos // BS], pos % BS] = vals[pos - start] + i / 4
 

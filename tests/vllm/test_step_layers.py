@@ -6,6 +6,7 @@ wait_for_layer_load before it reads its KV, and the harness reads each layer rig
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -25,6 +26,7 @@ def test_a_cpu_hit_on_a_four_layer_rank_is_loaded_layer_by_layer_with_every_laye
     try:
         assert h.worker._layers  # host engine, four layer tensors: layered
         store_prompt(h, "a", A, [0, 1, 2, 3])
+        h.worker._copier._layers._pace = lambda g: time.sleep(0.03)  # a layer lands well after the one before
         b = request("b", B)
         blocks = [10, 11, 12, 13]
         n, is_async = h.admit(b, blocks)
@@ -43,6 +45,7 @@ def test_a_tail_hit_block_is_loaded_before_the_forward_writes_past_the_tail(tmp_
     h = Harness(tmp_path, layers=4)
     try:
         store_prompt(h, "a", A, [0, 1, 2, 3])
+        h.worker._copier._layers._pace = lambda g: time.sleep(0.03)  # each layer lands after its write
         prompt = A + [43, 44, 45, 46, 47]
         c = request("c", prompt)
         blocks = [20, 21, 22, 23, 24]
@@ -61,7 +64,7 @@ def test_wait_for_layer_load_waits_for_that_layer_only(tmp_path):
         store_prompt(h, "a", A, [0, 1, 2, 3])
         gate = threading.Event()
         layers = h.worker._copier._layers
-        layers._pace = lambda g: g == 2 and gate.wait(10)  # layers 2 and 3 held back
+        layers._pace = lambda g: gate.wait(10) if g == 2 else time.sleep(0.05)  # layers 2 and 3 held back
         b = request("b", B)
         blocks = [10, 11, 12, 13]
         n, _ = h.admit(b, blocks)
