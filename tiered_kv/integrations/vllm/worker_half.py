@@ -9,7 +9,9 @@ checks the first one's). Per step (README, "Use with vLLM"):
 - ``start_load_kv``: issue the step's loads; a synchronous load (a CPU hit served in the step it was
   found) is waited for here, before the forward reads it (vLLM calls start_load_kv before the forward
   whenever a step has one). A rank whose copy failed reports the blocks in get_block_ids_with_load_errors
-  in the same step, and vLLM recomputes them.
+  in the same step, and vLLM recomputes them. On a host rank with several layer tensors the synchronous
+  loads are copied layer by layer (cross_process/layer_loads.py): only the last block of each, which the
+  forward may also write, is waited for here, and ``wait_for_layer_load`` waits for each layer's rows.
 - ``wait_for_save``: issue the step's stores, after the target and draft forwards wrote their blocks (on
   CUDA the ordering event is recorded here, on the forward's stream).
 - ``build_connector_worker_meta``: the job ids this rank finished since the last step.
