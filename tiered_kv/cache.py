@@ -178,12 +178,8 @@ class TieredKVCache:
 
     # -- control path -------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> LookupResult:
-        """Longest leading run of resident keys, per tier; no I/O, O(len(keys)), vectorized.
-
-        Non-bytes keys or a wrong total length raise KeyFormatError; two keys whose
-        wrong lengths cancel out are not detected here (checking each key would cost
-        as much as the lookup), and can only miss.
-        """
+        """Longest leading run of resident keys, per tier; no I/O, O(len(keys)), vectorized. Non-bytes keys or
+        a wrong total length raise KeyFormatError (two wrong lengths that cancel out can only miss)."""
         self.lifecycle.check_open()
         if isinstance(keys, (bytes, bytearray, str)) or not isinstance(keys, Sequence):
             check_keys(keys, self._key_bytes)
@@ -238,11 +234,8 @@ class TieredKVCache:
             self.manager.hint(check_session(session), keys, bool(expect_followup))
 
     def release(self, session: str | int) -> list[bytes]:
-        """The session ended: its chain's blocks no live session shares become the first to evict.
-
-        They are dropped, never spilled, when room is needed. Returns those keys, so an
-        engine can treat its own copies the same way. An unknown session returns [].
-        """
+        """The session ended: its chain's blocks no live session shares become the first to evict (dropped,
+        never spilled). Returns those keys, so an engine can treat its own copies the same way ([]: unknown)."""
         self.lifecycle.check_open()
         return self.manager.release(check_session(session))
 
@@ -284,6 +277,15 @@ class TieredKVCache:
             self.remote.stop_probing()
         await self._runners.spills.forget(disk_slots)
         return True
+
+    async def promote(self, keys: Sequence[bytes]) -> int:
+        """Read the leading run's disk and Redis blocks into CPU slots (a load without its GPU copy; waits
+        for keys in flight); returns how many leading keys are in the CPU tier then (at most its slots)."""
+        self.lifecycle.check_open()
+        check_keys(keys, self._key_bytes)
+        keys = list(keys)[: self.manager.cpu.num_slots]  # more would evict the run's own head
+        await self._runners.loads.promote(keys)
+        return self.manager.lookup(keys).cpu
 
     def copies_now(self, n_blocks: int) -> bool:
         """Whether a copy of ``n_blocks`` would start at once: the byte budget

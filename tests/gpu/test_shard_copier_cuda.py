@@ -131,3 +131,16 @@ async def test_a_generic_torch_event_orders_the_copy():
         assert not compute.query()
         await handle
         assert bool((cpu[0][5] == 9).all())
+
+
+def test_a_cuda_rank_keeps_whole_step_synchronous_loads(shm_path):
+    """Layer-wise loads (cross_process/layer_loads.py) are host-only for now: a CUDA rank refuses them, so
+    the worker waits for its synchronous loads in start_load_kv as before (issue 39 item 4)."""
+    from tiered_kv.cross_process import layer_groups
+
+    kvs, cs = copiers(shm_path, 1)
+    try:
+        assert not cs[0].enable_layers(layer_groups(kvs[0], cs[0].layout.regions))
+    finally:
+        for c in cs:
+            c.close()

@@ -52,7 +52,8 @@ def engine_args(spec: dict) -> dict:
             kv_connector_module_path="tiered_kv.integrations.vllm.connector",
             kv_role="kv_both",
             kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"config": spec["tiered_kv"], "stats_file": spec.get("stats_file")},
+            kv_connector_extra_config={"config": spec["tiered_kv"], "stats_file": spec.get("stats_file"),
+                                       **spec.get("connector_extra", {})},
         )
     return args
 

@@ -43,11 +43,22 @@ def request(rid: str, prompt: list[int], **extra) -> NS:
 
 
 class Harness:
-    def __init__(self, tmp_path, *, cpu: str = "64KiB", forward_s: float = 0.02, inflight: str | None = None) -> None:
-        self.kv = {"layer.0": torch.zeros(NB, BS, 2, WIDTH)}  # block, token, K/V, width
+    def __init__(
+        self,
+        tmp_path,
+        *,
+        cpu: str = "64KiB",
+        forward_s: float = 0.02,
+        inflight: str | None = None,
+        disk: str | None = None,
+        extra: dict | None = None,
+        layers: int = 1,
+    ) -> None:
+        names = [f"layer.{i}" for i in range(layers)]
+        self.kv = {n: torch.zeros(NB, BS, 2, WIDTH) for n in names}  # block, token, K/V, width
         bpb = BS * 2 * WIDTH * 4
-        self.kcc = NS(num_blocks=NB, kv_cache_tensors=[NS(size=NB * bpb, shared_by=["layer.0"])],
-                      kv_cache_groups=[KVCacheGroupSpec(["layer.0"], FullAttentionSpec(
+        self.kcc = NS(num_blocks=NB, kv_cache_tensors=[NS(size=NB * bpb, shared_by=[n]) for n in names],
+                      kv_cache_groups=[KVCacheGroupSpec(names, FullAttentionSpec(
                           block_size=BS, num_kv_heads=1, head_size=WIDTH, dtype=torch.float32))])  # fmt: skip
         self.vcfg = NS(cache_config=NS(block_size=BS), model_config=NS(model="harness", revision=None),
                        parallel_config=NS(tensor_parallel_size=1, pipeline_parallel_size=1),
@@ -57,6 +68,10 @@ class Harness:
         self.extra = {"config": {"tiers": {"cpu": {"capacity": cpu, "pin_memory": "off", "shared_path": str(shm)},
                                            "disk": {"enabled": False}},
                                  "transfer": {"engine": "host"}}}  # fmt: skip
+        if disk is not None:  # a disk tier of this capacity under tmp_path
+            tiers = self.extra["config"]["tiers"]
+            tiers["disk"] = {"enabled": True, "path": str(tmp_path / "disk"), "capacity": disk}
+        self.extra.update(extra or {})  # kv_connector_extra_config's other keys
         if inflight is not None:  # transfer.max_inflight_bytes
             self.extra["config"]["transfer"]["max_inflight_bytes"] = inflight
         eid = f"harness-{next(_ENGINES)}-{time.monotonic_ns()}"
@@ -105,7 +120,6 @@ class Harness:
         w = self.worker
         w.handle_preemptions(meta)
         w.start(meta)  # before the forward (vLLM does so whenever the step has a synchronous load)
-        self.after_start = {k: v.clone() for k, v in self.kv.items()}
         self._forward(new, cached)
         w.save()
         sending, recving = w.finished(set(finished))
@@ -129,22 +143,32 @@ class Harness:
             req = self.sched._reqs.get(rid)
             if req is not None:
                 todo.append((req.prompt, req.block_ids, c, s))
-        for prompt, blocks, computed, scheduled in todo:
-            self.write(prompt, blocks, computed, computed + scheduled)
+        # Layer by layer, in vLLM's order: the layer's new KV is written (unified_kv_cache_update), then its
+        # attention waits for its loads (wait_for_layer_load) and reads the layer (``after_start``).
+        self.after_start = {}
+        for i, (name, t) in enumerate(self.kv.items()):
+            for prompt, blocks, computed, scheduled in todo:
+                self.write(prompt, blocks, computed, computed + scheduled, layer=i)
+            self.worker.wait_layer(name)
+            self.after_start[name] = t.clone()
 
-    def write(self, prompt: list[int], blocks: list[int], start: int, end: int) -> None:
+    def write(self, prompt: list[int], blocks: list[int], start: int, end: int, layer: int | None = None) -> None:
+        """The forward's KV of positions [start, end): layer i holds the token's values + i / 4."""
         end = min(end, len(prompt))
         if end <= start:
             return
         vals = token_values(prompt[start:end])
-        for pos in range(start, end):
-            self.kv["layer.0"][blocks[pos // BS], pos % BS] = vals[pos - start]
+        for i, t in enumerate(self.kv.values()):
+            if layer is not None and i != layer:
+                continue
+            for pos in range(start, end):
+                t[blocks[pos // BS], pos % BS] = vals[pos - start] + i / 4
 
     def holds(self, prompt: list[int], blocks: list[int], n_blocks: int, kv=None) -> bool:
         kv = kv if kv is not None else self.kv
         want = token_values(prompt[: n_blocks * BS]).reshape(n_blocks, BS, 2, WIDTH)
-        got = torch.stack([kv["layer.0"][b] for b in blocks[:n_blocks]])
-        return torch.equal(got, want)
+        got = [torch.stack([t[b] for b in blocks[:n_blocks]]) for t in kv.values()]
+        return all(torch.equal(g, want + i / 4) for i, g in enumerate(got))
 
     def idle(self, n: int = 3) -> None:
         """Empty steps (vLLM keeps stepping while the connector has jobs in flight)."""

@@ -23,6 +23,7 @@ from ..tiers.segment_geometry import (
     segment_info_for,
     storage_ranks,
 )
+from .layer_loads import LayeredLoad, LayerLoads, layer_groups
 from .proxy_engine import ProxyCopyEngine, request_scope
 from .scheduler_cache import SchedulerCache, open_scheduler_cache
 from .shard_copier import ShardCopier
@@ -36,6 +37,9 @@ __all__ = [
     "SchedulerCache",
     "SegmentInfo",
     "ShardCopier",
+    "LayeredLoad",
+    "LayerLoads",
+    "layer_groups",
     "ShardJob",
     "gather_loads",
     "group_layout",

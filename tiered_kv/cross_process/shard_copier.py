@@ -39,6 +39,7 @@ from ..tiers.shared_cpu import SharedSegment
 from ..transfer import CUDAStreamEngine
 from ..transfer.engines.base import CopyEngine, compute_event
 from ..transfer.engines.numpy_rows import NumpyRowEngine
+from .layer_loads import LayeredLoad, LayerLoads
 from .shard_jobs import STORE, ShardJob
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ class ShardCopier:
         self.pin_chunk = pin_chunk  # tiers.cpu.pin_chunk: CUDA registers this rank's sub-slab in chunks of this size
         self.segment: SharedSegment | None = None
         self._engine: CopyEngine | None = None
+        self._cpu_regions: list = []  # this rank's sub-slab, one view per region
+        self._layers: LayerLoads | None = None  # layer-wise synchronous loads (host engine: layer_loads.py)
         self._pinned: HostRegistration | None = None
         self._lock = threading.Condition()
         self._pending = 0
@@ -123,6 +126,7 @@ class ShardCopier:
                 cpu.append(shard[:, offset : offset + block_bytes])
                 offset += block_bytes
             self._engine = self._run(self._build(list(self.layout.regions), cpu, seg))
+            self._cpu_regions = cpu
         except BaseException:
             self._unpin()
             seg.close()
@@ -155,6 +159,28 @@ class ShardCopier:
             self._pending += len(jobs)
             self._running.update(j.job_id for j in jobs)
         self._loop.call_soon_threadsafe(self._issue, list(jobs), ready)
+
+    def enable_layers(self, groups: dict[str, list[int]]) -> bool:
+        """Copy synchronous loads layer group by group (``submit_layered``): on a host engine with more
+        than one group of regions (layer_loads.py). False: not here (CUDA keeps whole-step loads)."""
+        if self.kind != "host" or self._engine is None or self._layers is not None:
+            return self._layers is not None
+        layers = LayerLoads(list(self.layout.regions), self._cpu_regions, groups)
+        if layers.num_groups < 2:
+            layers.close()
+            return False
+        self._layers = layers
+        return True
+
+    def submit_layered(self, jobs: Sequence[ShardJob]) -> LayeredLoad:
+        """Issue LOAD jobs layer group by group (enable_layers first); wait on the returned handle per layer.
+        Their outcome comes from ``poll`` as any job's."""
+        if self._layers is None or self._closed:
+            raise TransferError(f"rank {self.rank}: submit_layered without enable_layers() or after close()")
+        with self._lock:
+            self._pending += len(jobs)
+            self._running.update(j.job_id for j in jobs)
+        return self._layers.start(jobs, self._finished)
 
     def poll(self) -> tuple[list[int], list[int]]:
         """(ok job ids, failed job ids) finished since the last poll."""
@@ -191,6 +217,8 @@ class ShardCopier:
             return
         self._closed = True
         try:
+            if self._layers is not None:
+                self._layers.close()  # its copies end first
             if self._engine is not None:
                 self._run(self._engine.aclose())  # waits for every in-flight copy first
                 self._engine = None

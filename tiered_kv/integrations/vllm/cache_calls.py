@@ -180,6 +180,20 @@ class CacheCalls:
         self._loop_call()
         return self._loop.submit(run_tagged(tag, self._load(parts, grouped, cold)))
 
+    def promote_later(self, keys: list[bytes], cold: Sequence[bytes] = ()) -> concurrent.futures.Future:
+        """Start reading ``keys``' disk and Redis blocks into the CPU tier (TieredKVCache.promote) without
+        waiting: the leading keys in the CPU tier once it ended come on the future (promotions.py)."""
+        cache = self.opened.cache
+
+        async def run() -> int:
+            try:
+                return await cache.promote(keys)
+            finally:
+                if cold:  # a partial tail stays the first to go (tails.py)
+                    cache.manager.demote(cold)
+
+        return self._loop.submit(run())
+
     def load_now(
         self, tag: str, parts: Parts, n_blocks: int, *, grouped: bool, cold: Sequence[bytes] = ()
     ) -> tuple[concurrent.futures.Future | None, int]:

@@ -80,7 +80,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.start(self._get_connector_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # a synchronous load was waited for at the end of start_load_kv; async ones gate the request
+        self._worker.wait_layer(layer_name)  # a layered synchronous load (host); else waited in start_load_kv
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # whole blocks are stored as jobs, issued in wait_for_save

@@ -38,6 +38,7 @@ from .groups import KVGroups
 from .hints import NO_HINTS, RequestHints, hints_of
 from .loads import LoadBook
 from .meta import TieredKVHandshake, TieredKVMetadata
+from .promotions import Promotions
 from .replicas import check_rank_replicas, kv_tp_replicas
 from .request_keys import group_block_keys, request_block_keys, salt_of, uses_prompt_embeds
 from .requests import KeyCache, Req, new_tag, vllm_cache_is_empty
@@ -103,6 +104,7 @@ class SchedulerHalf:
         self._keys = KeyCache(self._compute_keys)
         self._hints: dict[str, RequestHints] = {}
         self._loads = LoadBook(self._bs, self._calls, self.counters, hybrid=self._groups.hybrid)
+        self._promotions = Promotions(self.counters, enabled=bool(extra.get("promote_hits", True)))
         self._tails = Tails(self._groups, self._bs, self.counters, kv_cache_config)  # hits inside a block
         self._vllm_hashes: dict[str, Any] = {}  # req -> request.block_hashes (vLLM's live list)
         self._book = HashBook(cap=1 << 20)  # our key -> vLLM hash, for the router's KV events
@@ -159,8 +161,8 @@ class SchedulerHalf:
     @_hook("matched_tokens")
     def matched_tokens(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
         rid = request.request_id
-        if self._loads.in_flight(rid):
-            return None, False  # a load of this request is still in flight: ask again later
+        if self._loads.in_flight(rid) or self._promotions.waiting(rid):
+            return None, False  # a load or promotion of this request is still in flight: ask again later
         if rid in self._no_store:
             return 0, False
         prompt = list(request.prompt_token_ids or [])
@@ -176,6 +178,9 @@ class SchedulerHalf:
         n = 0 if hit is None else hit.tokens - num_computed  # it may end inside a block (tails.py)
         if n <= 0:
             return 0, False
+        if self._promotions.wanted(rid, hit):  # disk/Redis blocks: into CPU slots first (promotions.py)
+            self._promotions.start(rid, hit, keys, self._calls.promote_later)
+            return None, False
         self._loads.promised(rid, first, hit)
         # A CPU hit loads in this step (synchronously), when its copy can start at once (the byte budget
         # is freed by reports only later steps bring); anything else asynchronously.
@@ -304,6 +309,7 @@ class SchedulerHalf:
             table.pop(rid, None)
         waits_for_load = self._loads.async_in_flight(rid)
         self._loads.forget(rid)
+        self._promotions.forget(rid)
         self._keys.pop(rid)
         self._no_store.discard(rid)
         req = self._reqs.pop(rid, None)

@@ -9,7 +9,9 @@ checks the first one's). Per step (README, "Use with vLLM"):
 - ``start_load_kv``: issue the step's loads; a synchronous load (a CPU hit served in the step it was
   found) is waited for here, before the forward reads it (vLLM calls start_load_kv before the forward
   whenever a step has one). A rank whose copy failed reports the blocks in get_block_ids_with_load_errors
-  in the same step, and vLLM recomputes them.
+  in the same step, and vLLM recomputes them. On a host rank with several layer tensors the synchronous
+  loads are copied layer by layer (cross_process/layer_loads.py): only the last block of each, which the
+  forward may also write, is waited for here, and ``wait_for_layer_load`` waits for each layer's rows.
 - ``wait_for_save``: issue the step's stores, after the target and draft forwards wrote their blocks (on
   CUDA the ordering event is recorded here, on the forward's stream).
 - ``build_connector_worker_meta``: the job ids this rank finished since the last step.
@@ -23,7 +25,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ...cross_process import ShardCopier, segment_config, segment_info_for, storage_ranks
+from ...cross_process import ShardCopier, layer_groups, segment_config, segment_info_for, storage_ranks
 from ...errors import TransferError
 from .block_bytes import worker_layout
 from .meta import TieredKVHandshake, TieredKVMetadata, TieredKVWorkerMeta
@@ -52,6 +54,8 @@ class WorkerHalf:
         self._failed: list[int] = []
         self._tainted: set[int] = set()  # jobs that outlived a fence: reported failed whenever they finish
         self._errors: set[int] = set()  # this step's blocks whose synchronous load did not land
+        self._layers = False  # synchronous loads copied layer by layer (host engine: cross_process/layer_loads.py)
+        self._layered: Any = None  # this step's layered load, waited per layer by wait_for_layer_load
         # Requests whose freeing waits for their stores (request_finished said True): only these are
         # remembered from vLLM's finished_req_ids, so the sets stay as small as what is in flight.
         self._held: set[str] = set()
@@ -76,6 +80,8 @@ class WorkerHalf:
             copier.close()
             raise
         self._copier = copier
+        if len(getattr(kcc, "kv_cache_groups", ())) <= 1 and all(_dense(t) for t in kv_caches.values()):
+            self._layers = copier.enable_layers(layer_groups(kv_caches, layout.regions))
         self._handshake = TieredKVHandshake(self._rank, layout.bytes_per_block, layout.spec(), replicas)
         log.info("tiered_kv: TP rank %d/%d, %d KV regions, %d bytes per block per rank, %d blocks", self._rank,
                  self._world, layout.num_regions, layout.bytes_per_block, layout.num_blocks)  # fmt: skip
@@ -101,10 +107,28 @@ class WorkerHalf:
         self._errors.update(meta.sync_load_errors)
         self._held.update(meta.held)
         self._to_release.update(meta.stores_done)
+        sync = set(meta.sync_loads)
+        if self._layers and sync:  # copied layer by layer: wait_for_layer_load waits for each
+            self._copier.submit([j for j in meta.load_jobs if j.job_id not in sync])
+            self._layered = self._copier.submit_layered([j for j in meta.load_jobs if j.job_id in sync])
+            self._layered.wait_edges(LOAD_WAIT_S)  # the blocks the forward may write have landed
+            return
         if meta.load_jobs:
             self._copier.submit(meta.load_jobs)
         if meta.sync_loads:
             self._wait_loads(meta)
+
+    def wait_layer(self, layer_name: str) -> None:
+        """wait_for_layer_load: this layer's rows of the step's synchronous loads have landed."""
+        if self._layered is not None:
+            self._layered.wait_layer(layer_name, LOAD_WAIT_S)
+
+    def _land_layered(self) -> None:
+        """The whole layered load has landed (before stores and reports): its outcome, as _wait_loads."""
+        if self._layered is None or self._meta is None:
+            return
+        self._layered = None
+        self._wait_loads(self._meta)
 
     def _wait_loads(self, meta: TieredKVMetadata) -> None:
         ids = set(meta.sync_loads)
@@ -125,11 +149,13 @@ class WorkerHalf:
 
     def save(self) -> None:
         """wait_for_save: the step's forwards have written their blocks; issue the stores that read them."""
+        self._land_layered()
         meta = self._meta
         if self._copier is not None and meta is not None and meta.store_jobs:
             self._copier.submit(meta.store_jobs)  # a rank that writes no copy acknowledges them (ShardCopier)
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        self._land_layered()
         self._finished_seen |= finished_req_ids & self._held
         sending = self._to_release & self._finished_seen  # vLLM only frees what it told us had finished
         self._to_release -= sending
@@ -143,12 +169,14 @@ class WorkerHalf:
         return set(self._meta.loads_failed) if self._meta is not None else set()
 
     def load_errors(self) -> set[int]:
+        self._land_layered()
         errors = set(self._errors)
         if self._meta is not None:
             errors.update(b for ids in self._meta.loads_done.values() for b in ids)
         return errors
 
     def worker_meta(self) -> TieredKVWorkerMeta | None:
+        self._land_layered()
         if self._copier is not None:
             ok, failed = self._copier.poll()
             self._ok += ok
@@ -172,6 +200,10 @@ class WorkerHalf:
         if self._copier is not None:
             self._copier.close()
             self._copier = None
+
+
+def _dense(t: Any) -> bool:
+    return hasattr(t, "is_contiguous") and t.is_contiguous()
 
 
 def _tp_rank() -> tuple[int, int]:

@@ -119,6 +119,12 @@ class LoadRunner:
             return None, None, 0
         return out, None, n
 
+    async def promote(self, keys: list[bytes]) -> int:
+        """The load's chunks without the GPU copy: the leading run's disk and Redis blocks are read into CPU
+        slots (TieredKVCache.promote). Returns the blocks of the run that were in the CPU tier once each landed."""
+        control = MoveControl()
+        return await run_move(self._tasks, control, self._run(control, keys, None, False, None))
+
     def _load_now(
         self, keys: list[bytes], ids: np.ndarray, exclusive: bool
     ) -> tuple[int | ThreadedCopyFuture | None, LoadPlan | None]:
@@ -176,9 +182,15 @@ class LoadRunner:
         )
 
     async def _run(
-        self, control: MoveControl, keys: list[bytes], ids: np.ndarray, exclusive: bool, plan: LoadPlan | None
+        self,
+        control: MoveControl,
+        keys: list[bytes],
+        ids: np.ndarray | None,
+        exclusive: bool,
+        plan: LoadPlan | None,
     ) -> int:
-        """Load chunk by chunk, from ``plan`` (made by ``_load_now``; planned here when None)."""
+        """Load chunk by chunk, from ``plan`` (made by ``_load_now``; planned here when None); ``ids`` None:
+        promote only (no GPU copy)."""
         m = self._m
         if exclusive and m.staging is not None:
             control.hold = m.hold_run(keys)
@@ -194,7 +206,7 @@ class LoadRunner:
         self,
         control: MoveControl,
         keys: list[bytes],
-        ids: np.ndarray,
+        ids: np.ndarray | None,
         exclusive: bool,
         first: LoadPlan | None,
     ) -> int:
@@ -222,7 +234,7 @@ class LoadRunner:
                     await self._progress.wait(control)
                     continue
                 break
-            n = await self._execute(control, plan, ids[loaded:])
+            n = await self._execute(control, plan, None if ids is None else ids[loaded:])
             loaded += n
             if n < len(plan) or plan.stop in ("", "miss"):
                 break
@@ -230,7 +242,7 @@ class LoadRunner:
             await _before_copy(control)  # nothing was copied: the hook still runs once
         return loaded
 
-    async def _execute(self, control: MoveControl, plan: LoadPlan, ids: np.ndarray) -> int:
+    async def _execute(self, control: MoveControl, plan: LoadPlan, ids: np.ndarray | None) -> int:
         m = self._m
         n = 0
         promoted = False
@@ -247,7 +259,10 @@ class LoadRunner:
                 m.release_hold(control.hold, control.base + len(plan))
             await _before_copy(control)
             if n and not control.cancelled:
-                await self._dispatch.run("cpu", "gpu", CopyJob(plan.cpu_slots[:n], ids[:n], control.compute))
+                if ids is not None:  # None: a promotion, the run stays in its CPU slots
+                    await self._dispatch.run(
+                        "cpu", "gpu", CopyJob(plan.cpu_slots[:n], ids[:n], control.compute)
+                    )
             else:
                 n = 0
         except BaseException:
