@@ -24,8 +24,9 @@ def seeded_disk(model_dir, baseline, tmp_path_factory) -> Path:
     return work / "disk"
 
 
-def second_process(model_dir: str, disk: Path, tmp: Path) -> dict:
-    return run_engine({"model": model_dir, "tiered_kv": cache_config(disk), "steps": [{"generate": [PROMPT_B]}]}, tmp)
+def second_process(model_dir: str, disk: Path, tmp: Path, extra: dict | None = None) -> dict:
+    spec = {"model": model_dir, "tiered_kv": cache_config(disk), "steps": [{"generate": [PROMPT_B]}]}
+    return run_engine({**spec, "connector_extra": extra or {}}, tmp)
 
 
 def test_restart_second_process_hits_from_disk(model_dir, baseline, seeded_disk, tmp_path):
@@ -62,7 +63,24 @@ def test_fault_corrupt_disk_record_makes_vllm_recompute(model_dir, baseline, see
     assert corrupt_payloads(disk) > 0
     report = second_process(model_dir, disk, tmp_path)
     (b,) = outputs(report)[0]
-    # The lookup promised the prefix; the load found it corrupt and told vLLM, which recomputed it.
+    # The disk hit is promoted into the CPU tier before any GPU block is held (issue 39 item 3): the read
+    # finds the records corrupt and drops them, so the hit comes back shorter and vLLM computes the rest.
+    # Without a promotion (promote_hits: false) the load finds them and reports load errors instead.
+    c = report["counters"]
+    assert c.get("promotions", 0) >= 1
+    assert c.get("promoted_blocks", 0) < PREFIX_TOKENS // BLOCK
+    assert c.get("loaded_blocks", 0) < PREFIX_TOKENS // BLOCK
+    assert b["tokens"] == baseline[tuple(PROMPT_B)]
+
+
+def test_fault_corrupt_disk_record_without_promotion_is_a_load_error(model_dir, baseline, seeded_disk, tmp_path):
+    disk = tmp_path / "disk"
+    shutil.copytree(seeded_disk, disk)
+    assert corrupt_payloads(disk) > 0
+    report = second_process(model_dir, disk, tmp_path, {"promote_hits": False})
+    (b,) = outputs(report)[0]
+    # The lookup promised the prefix; the asynchronous load found it corrupt and told vLLM, which recomputed it.
     assert report["counters"]["load_error_blocks"] >= 1
+    assert report["counters"].get("promotions", 0) == 0
     assert report["counters"].get("loaded_blocks", 0) < PREFIX_TOKENS // BLOCK
     assert b["tokens"] == baseline[tuple(PROMPT_B)]
