@@ -182,3 +182,13 @@ class Harness:
     def close(self) -> None:
         self.sched.close()
         self.worker.close()
+
+
+def store_prompt(h: Harness, rid: str, prompt: list[int], blocks: list[int]) -> None:
+    """A miss: ``prompt`` computed into ``blocks`` and stored, its request finished, every job landed."""
+    req = request(rid, prompt)
+    assert h.admit(req, blocks) == (0, False)
+    h.step(new=[(req, blocks, 0, len(prompt))])
+    h.idle()
+    h.finish(req)
+    h.idle()

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 pytest.importorskip("vllm.distributed.kv_transfer", reason="vLLM is not installed in this venv: run `make test-vllm`")
-from step_harness import BS, Harness, request  # noqa: E402
+from step_harness import BS, Harness, request, store_prompt  # noqa: E402
 
 NEEDS_VLLM = True
 
@@ -68,15 +68,6 @@ def h(tmp_path):
     harness = Harness(tmp_path)
     yield harness
     harness.close()
-
-
-def store_prompt(h: Harness, rid: str, prompt: list[int], blocks: list[int]) -> None:
-    req = request(rid, prompt)
-    assert h.admit(req, blocks) == (0, False)
-    h.step(new=[(req, blocks, 0, len(prompt))])
-    h.idle()
-    h.finish(req)
-    h.idle()
 
 
 def test_a_cpu_hit_step_makes_no_loop_call(h):

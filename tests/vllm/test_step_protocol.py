@@ -12,7 +12,7 @@ import time
 import pytest
 
 pytest.importorskip("vllm.distributed.kv_transfer", reason="vLLM is not installed in this venv: run `make test-vllm`")
-from step_harness import BS, Harness, request  # noqa: E402
+from step_harness import BS, Harness, request, store_prompt  # noqa: E402
 
 NEEDS_VLLM = True
 
@@ -27,15 +27,6 @@ def h(tmp_path):
     harness = Harness(tmp_path)
     yield harness
     harness.close()
-
-
-def store_prompt(h: Harness, rid: str, prompt: list[int], blocks: list[int]) -> None:
-    req = request(rid, prompt)
-    assert h.admit(req, blocks) == (0, False)
-    h.step(new=[(req, blocks, 0, len(prompt))])
-    h.idle()
-    h.finish(req)
-    h.idle()
 
 
 def test_a_cpu_hit_is_loaded_in_the_step_it_is_found_before_that_steps_forward(h):
