@@ -167,14 +167,42 @@ async def test_last_batch_wins_on_shared_destinations(rig):
         assert torch.equal(region_after[1], region_before[20])
 
 
+class GatedRows:
+    """Row copies that wait for the test to open a gate: a copy held open, instead of one raced against a timer."""
+
+    def __init__(self, rows) -> None:
+        self.rows, self.gate, self.started = rows, threading.Event(), threading.Event()
+
+    def copy(self, side, src, dst) -> None:
+        self.started.set()
+        if not self.gate.wait(timeout=30):
+            raise RuntimeError("the test never opened the gate")
+        self.rows.copy(side, src, dst)
+
+
+def hold_copies(kind: str, engine):
+    """Hold the engine's next copies until the returned ``release()`` is called. Host: the rows wait on a
+    gate. CUDA: the copy is ordered after a compute stream that spins until released (``_sleep``)."""
+    if kind == "host":
+        gated = GatedRows(engine._rows)
+        engine._rows = gated
+        return None, gated.gate.set
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU clocks: far past the cancel below
+    return stream, lambda: None
+
+
 @pytest.mark.parametrize("kind", ENGINES)
 async def test_cancelling_the_waiter_does_not_cancel_the_copy(kind):
-    # 1 MiB blocks so the copy is still running when the waiter is cancelled.
+    # The copy is held until the cancel has been seen, so it cannot land first (a 24 MiB host copy
+    # on a quiet machine did, and the test then saw no CancelledError).
     gpu, cpu = make_regions(kind, block_bytes=(1 << 20,), num_blocks=24, num_slots=24)
     gpu_before = snapshot(gpu)
     gpu_ids, slots = list(range(23, -1, -1)), list(range(24))
     async with make_engine(kind, gpu, cpu) as engine:
-        handle = engine.submit_store(gpu_ids, slots)
+        compute, release = hold_copies(kind, engine)
+        handle = engine.submit_store(gpu_ids, slots, compute=compute)
 
         async def waiter():
             await handle
@@ -184,7 +212,8 @@ async def test_cancelling_the_waiter_does_not_cancel_the_copy(kind):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert not handle.future.cancelled()
+        assert not handle.future.cancelled() and not handle.done()  # still held: the cancel did not end it
+        release()
         await handle
     assert handle.future.done() and handle.future.exception() is None
     after = snapshot(cpu)
