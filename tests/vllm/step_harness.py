@@ -20,14 +20,12 @@ import time
 from types import SimpleNamespace as NS
 
 import torch
+from packed_kv import BS, NB, WIDTH, vllm_kv_caches  # tests/vllm is on sys.path
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
 from tiered_kv.integrations.vllm.scheduler_half import SchedulerHalf
 from tiered_kv.integrations.vllm.worker_half import WorkerHalf
 
-BS = 4  # tokens per block
-NB = 48  # GPU blocks
-WIDTH = 8  # values per token per K/V
 _ENGINES = itertools.count()
 
 
@@ -53,13 +51,21 @@ class Harness:
         disk: str | None = None,
         extra: dict | None = None,
         layers: int = 1,
+        kv_layout: str | None = None,
+        pad: int = 0,
     ) -> None:
         names = [f"layer.{i}" for i in range(layers)]
-        self.kv = {n: torch.zeros(NB, BS, 2, WIDTH) for n in names}  # block, token, K/V, width
-        bpb = BS * 2 * WIDTH * 4
-        self.kcc = NS(num_blocks=NB, kv_cache_tensors=[NS(size=NB * bpb, shared_by=[n]) for n in names],
-                      kv_cache_groups=[KVCacheGroupSpec(names, FullAttentionSpec(
-                          block_size=BS, num_kv_heads=1, head_size=WIDTH, dtype=torch.float32))])  # fmt: skip
+        if kv_layout is None:  # one tensor per layer, a config without placements
+            self.kv = {n: torch.zeros(NB, BS, 2, WIDTH) for n in names}  # block, token, K/V, width
+            registered = self.kv
+            bpb = BS * 2 * WIDTH * 4
+            self.kcc = NS(num_blocks=NB, kv_cache_tensors=[NS(size=NB * bpb, shared_by=[n]) for n in names],
+                          kv_cache_groups=[KVCacheGroupSpec(names, FullAttentionSpec(
+                              block_size=BS, num_kv_heads=1, head_size=WIDTH, dtype=torch.float32))])  # fmt: skip
+        else:  # vLLM's own placements and views (packed_kv.py), the harness writing through [block, token, K/V, width]
+            self.kcc, registered = vllm_kv_caches(names, kv_layout, pad=pad)
+            self.kv = {n: t[:, 0].unflatten(-1, (2, WIDTH)) for n, t in registered.items()}
+        self.registered = registered  # what the worker half was handed
         self.vcfg = NS(cache_config=NS(block_size=BS), model_config=NS(model="harness", revision=None),
                        parallel_config=NS(tensor_parallel_size=1, pipeline_parallel_size=1),
                        kv_events_config=None)  # fmt: skip
@@ -76,7 +82,7 @@ class Harness:
             self.extra["config"]["transfer"]["max_inflight_bytes"] = inflight
         eid = f"harness-{next(_ENGINES)}-{time.monotonic_ns()}"
         self.worker = WorkerHalf(self.vcfg, self.kcc, self.extra, eid)
-        self.worker.register(self.kv)
+        self.worker.register(registered)
         self.sched = SchedulerHalf(self.vcfg, self.kcc, self.extra, eid)
         self.sched.on_handshake({0: self.worker.handshake()})
         self.forward_s = forward_s
