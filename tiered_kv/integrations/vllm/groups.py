@@ -1,15 +1,20 @@
 """vLLM's KV cache groups as tiered_kv sees them: what each group stores, what a hit needs from it.
 
 With vLLM's hybrid allocator on, a model's layers fall into KV cache groups, each with its own block
-table over one shared pool of block ids (a block id is owned by one group at a time, and every group's
-block is a page of the same size, so one CPU slot fits a block of any group; see block_bytes.py). tiered_kv
-keys a block per (block, group) and, per group kind, keeps what a later hit at a block boundary
-``B`` (tokens ``[0, B * block_size)`` computed) needs:
+table over one shared pool of block ids (a block id is owned by one group at a time, and one CPU slot
+holds everything a block id owns, whichever group holds it; see placements.py). tiered_kv keys a block
+per (block, group) and, per group kind, keeps what a later hit at a boundary ``B`` (tokens ``[0, B *
+unit)`` computed) needs:
 
 - ``full``: every block before ``B`` (full attention, MLA): the prefix;
 - ``sliding``: only the blocks holding the last window before ``B`` (vLLM frees the rest), from the
-  block of token ``B * block_size - window + 1`` on;
+  block of token ``B * unit - window + 1`` on;
 - ``mamba`` (``mamba_cache_mode="align"``): the state block ending at ``B`` alone.
+
+The ``unit`` is the engine's block when every group has the same block size; groups of several sizes
+(DeepSeek-V4: 256-token compressed caches, 64-token windows, 4- and 8-token compressor states) have their
+own keys at their own block size, and a hit ends on a multiple of every size (their lcm, and vLLM's
+``cache_hit_alignment_tokens``), as vLLM's own prefix cache aligns it.
 
 A hit is the longest boundary at which every group has what it needs. Duck-typed over vLLM's
 ``KVCacheConfig``: only attribute and class names are read, so this module imports without vLLM.
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,17 +44,27 @@ class Group:
     layers: tuple[str, ...]
     window: int = 0  # SLIDING: tokens attended (vLLM's sliding_window), plus its extra retained tokens
     salt: tuple[int, ...] = ()  # chained onto each block's key so every group has keys of its own
+    block_size: int = 0  # tokens per block of this group; 0: the unit's (every group's blocks alike)
 
-    def needed(self, boundary: int, block_size: int) -> range:
-        """The block indices a hit ending at block ``boundary`` needs from this group."""
+    def tokens_per_block(self, unit: int) -> int:
+        return self.block_size or unit
+
+    def blocks(self, units: int, unit: int) -> int:
+        """This group's blocks in ``units`` hit units of ``unit`` tokens (a unit is whole blocks of every group)."""
+        return units * unit // self.tokens_per_block(unit)
+
+    def needed(self, boundary: int, unit: int) -> range:
+        """This group's block indices a hit ending at unit ``boundary`` (token ``boundary * unit``) needs."""
         if boundary <= 0:
             return range(0)
+        bs = self.tokens_per_block(unit)
+        end = boundary * unit // bs
         if self.kind == FULL:
-            return range(0, boundary)
+            return range(0, end)
         if self.kind == SLIDING:
-            skipped = max(0, boundary * block_size - self.window + 1)
-            return range(skipped // block_size, boundary)
-        return range(boundary - 1, boundary)  # MAMBA: the state after the boundary's last token
+            skipped = max(0, boundary * unit - self.window + 1)
+            return range(skipped // bs, end)
+        return range(end - 1, end)  # MAMBA: the state after the boundary's last token
 
 
 def _spec_kind(spec: Any, cache_mode: str) -> str | None:
@@ -91,6 +107,10 @@ class KVGroups:
 
     groups: tuple[Group, ...]
     num_groups: int  # all of vLLM's groups, the ones tiered_kv leaves alone included
+    # Groups with blocks of several token sizes (DeepSeek-V4: 256, 64, 8 and 4): a hit ends on a multiple
+    # of every one (and of vLLM's cache_hit_alignment_tokens), ``unit`` tokens; 0: one block size, the
+    # engine's block is the unit.
+    unit: int = 0
 
     @classmethod
     def from_config(cls, kv_cache_config: Any, cache_mode: str = "none") -> KVGroups:
@@ -111,12 +131,16 @@ class KVGroups:
             layers = tuple(g.layer_names)
             # One group keeps the plain keys (a one-group model's records stay readable across versions).
             salt = () if len(specs) == 1 else _group_salt(kind, layers)
-            out.append(Group(i, kind, layers, window, salt))
+            out.append(Group(i, kind, layers, window, salt, int(getattr(spec, "block_size", 0) or 0)))
         if not out:
             raise ConfigError("tiered_kv: no KV cache group of this model is prefix-cacheable: nothing to store")
         if any(g.kind == MAMBA for g in out) and not any(g.kind == FULL for g in out):
             raise ConfigError("tiered_kv: a model whose only cacheable groups are Mamba state has no prefix to key")
-        return cls(tuple(out), len(specs))
+        sizes = {g.block_size for g in out}
+        if len(sizes) == 1 or 0 in sizes:  # one block size (or a hand-built config): the engine's block is the unit
+            return cls(tuple(Group(g.index, g.kind, g.layers, g.window, g.salt) for g in out), len(specs))
+        unit = math.lcm(*sizes, int(getattr(kv_cache_config, "cache_hit_alignment_tokens", 0) or 1))
+        return cls(tuple(out), len(specs), unit)
 
     @property
     def hybrid(self) -> bool:
@@ -126,5 +150,10 @@ class KVGroups:
     def ids(self) -> tuple[int, ...]:
         return tuple(g.index for g in self.groups)
 
+    def unit_tokens(self, block_size: int) -> int:
+        """Tokens per hit unit: ``unit``, or the engine's ``block_size`` when every group has its blocks."""
+        return self.unit or block_size
+
     def describe(self) -> str:
-        return ", ".join(f"{g.index}:{g.kind}" + (f"(window {g.window})" if g.window else "") for g in self.groups)
+        return ", ".join(f"{g.index}:{g.kind}" + (f"(window {g.window})" if g.window else "")
+                         + (f"[{g.block_size} tokens]" if g.block_size else "") for g in self.groups)  # fmt: skip

@@ -30,33 +30,35 @@ class Hit:
 
 
 def find_hit(cache: Any, groups: KVGroups, keys: list[list[bytes]], first: int, max_blocks: int,
-             block_size: int) -> Hit | None:  # fmt: skip
-    """On the cache's loop. None: no boundary past ``first`` has every group's blocks."""
+             unit: int) -> Hit | None:  # fmt: skip
+    """On the cache's loop. None: no boundary past ``first`` has every group's blocks. ``first``,
+    ``max_blocks`` and the boundary count hit units of ``unit`` tokens (groups.py); ranges are each
+    group's own blocks."""
     bound = max_blocks
     looked: dict[int, Any] = {}
     for p, g in enumerate(groups.groups):
-        if g.kind == FULL:
-            looked[p] = cache.lookup(keys[p][:max_blocks])  # in-flight stores count: a load waits for them
-            bound = min(bound, looked[p].total)
+        if g.kind == FULL:  # in-flight stores count: a load waits for them
+            looked[p] = cache.lookup(keys[p][: g.blocks(max_blocks, unit)])
+            bound = min(bound, looked[p].total // g.blocks(1, unit))
     if bound <= first:
         return None
     runs: dict[int, list[int]] = {}  # window/state groups: resident run length ending at each block
     for p, g in enumerate(groups.groups):
         if g.kind != FULL:
             run, runs[p] = 0, []
-            for tier in cache.tiers_of(keys[p][:bound]):
+            for tier in cache.tiers_of(keys[p][: g.blocks(bound, unit)]):
                 run = run + 1 if tier else 0
                 runs[p].append(run)
     boundary = bound
-    while boundary > first and not all(_covered(g, runs[p], boundary, first, block_size)
+    while boundary > first and not all(_covered(g, runs[p], boundary, first, unit)
                                        for p, g in enumerate(groups.groups) if g.kind != FULL):  # fmt: skip
         boundary -= 1
     if boundary <= first:
         return None
     ranges = []
     for g in groups.groups:
-        need = g.needed(boundary, block_size)
-        ranges.append((max(need.start, first), need.stop))
+        need = g.needed(boundary, unit)
+        ranges.append((max(need.start, g.blocks(first, unit)), need.stop))
     hit = Hit(boundary, ranges, True, Counter())
     for p, (a, b) in enumerate(ranges):
         if b <= a:
@@ -81,9 +83,9 @@ def find_hit(cache: Any, groups: KVGroups, keys: list[list[bytes]], first: int, 
     return hit
 
 
-def _covered(g: Any, run: list[int], boundary: int, first: int, block_size: int) -> bool:
-    need = g.needed(boundary, block_size)
-    a = max(need.start, first)
+def _covered(g: Any, run: list[int], boundary: int, first: int, unit: int) -> bool:
+    need = g.needed(boundary, unit)
+    a = max(need.start, g.blocks(first, unit))
     return a >= need.stop or run[need.stop - 1] >= need.stop - a
 
 

@@ -49,8 +49,10 @@ class _Asked:
 
 
 class LoadBook:
-    def __init__(self, block_size: int, calls: CacheCalls, counters: Counter[str], *, hybrid: bool = False) -> None:
-        self._bs = block_size
+    def __init__(self, unit: int, calls: CacheCalls, counters: Counter[str], *, ratios: tuple[int, ...] = (1,),
+                 hybrid: bool = False) -> None:  # fmt: skip
+        self._bs = unit  # tokens per hit unit (groups.py): starts, boundaries and caps count units
+        self._ratios = ratios  # each group's blocks per unit
         self._hybrid = hybrid  # vLLM has several KV cache groups: failures go by request, never by block
         self._calls = calls
         self._counters = counters
@@ -113,7 +115,7 @@ class LoadBook:
         self._sync_errors += flat[planned:]
         self._counters["sync_loads"] += 1
         self._counters["load_error_blocks"] += len(flat) - planned
-        upto = start + planned if one else (hit.boundary if planned else start)
+        upto = start + planned // self._ratios[0] if one else (hit.boundary if planned else start)
         if upto < hit.boundary:
             self._cap[rid] = upto
         self._loaded_upto[rid] = min(upto, hit.boundary - (hit.tail is not None))
@@ -127,7 +129,7 @@ class LoadBook:
         log.error("tiered_kv: %s: vLLM admitted %d external tokens, not the %d promised; reported as a failed "
                   "load (vLLM recomputes them)", rid, num_external, hit_end(hit, self._bs) - start * self._bs)  # fmt: skip
         end = start + -(-num_external // self._bs)
-        ids = [group[start:end] for group in block_ids]
+        ids = [group[start * r : end * r] for group, r in zip(block_ids, self._ratios, strict=True)]
         self._counters["load_admission_mismatches"] += 1
         self._cap[rid] = start
         if hit.in_cpu and not self._hybrid:  # answered synchronously: an error in this very step
@@ -157,7 +159,8 @@ class LoadBook:
             short = [ids[n:] for ids, n in zip(load.block_ids, landed, strict=True)]
             # One group: the blocks landed are a prefix of it. Several: a group short of its range
             # leaves the hit unusable past ``start`` (vLLM recomputes from its first missing block).
-            upto = load.start + landed[0] if len(landed) == 1 else (load.start if any(short) else load.boundary)
+            upto = (load.start + landed[0] // self._ratios[0] if len(landed) == 1
+                    else (load.start if any(short) else load.boundary))  # fmt: skip
             if upto < load.boundary and not gone:
                 self._cap[rid] = upto  # a retry recomputes instead of being promised them again
             if load.sync:

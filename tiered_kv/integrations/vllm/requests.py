@@ -43,9 +43,9 @@ class Req:
     stores: list[concurrent.futures.Future] = field(default_factory=list)  # in flight, over every incarnation
     tail_done: tuple[str, int] = ("", 0)  # (tag, prompt length) whose partial tail store is planned (tails.py)
 
-    def store_from(self, upto: int) -> None:
-        """Nothing before block ``upto`` needs storing (it was loaded, or is resident)."""
-        self.next_store = [max(n, upto) for n in self.next_store] or [upto] * len(self.keys)
+    def store_from(self, upto: list[int]) -> None:
+        """Nothing before block ``upto[p]`` of group ``p`` needs storing (it was loaded, or is resident)."""
+        self.next_store = [max(n, u) for n, u in zip(self.next_store, upto, strict=True)]
 
     def pending_stores(self) -> list[concurrent.futures.Future]:
         self.stores = [f for f in self.stores if not f.done()]

@@ -88,6 +88,7 @@ class SchedulerHalf:
                                                                          "mamba_cache_mode", "none")))  # fmt: skip
         self._group_bytes = {g.index: group_bytes_per_block(kv_cache_config, g.layers) or self._rank_bytes
                              for g in self._groups.groups}  # fmt: skip
+        self._unit = self._groups.unit_tokens(self._bs)  # tokens a hit is a multiple of (groups.py)
         self._num_blocks = int(kv_cache_config.num_blocks)
         self._vllm_config = vllm_config
         events = getattr(vllm_config, "kv_events_config", None)
@@ -96,16 +97,17 @@ class SchedulerHalf:
         self._engine_id = engine_id
         self.counters: Counter[str] = Counter()
         self._calls = CacheCalls(self.counters)  # the cache, opened once the workers' handshake arrived
-        self._store_book = StoreBook(self._groups, self._bs, self.counters)
+        self._store_book = StoreBook(self._groups, self._unit, self.counters)
         self._stats_file = StatsFile(extra.get("stats_file"))
         self._reqs: dict[str, Req] = {}
         self._salts: dict[str, tuple[int, ...]] = {}
         self._no_store: set[str] = set()  # requests whose KV no key can name (prompt embeddings)
         self._keys = KeyCache(self._compute_keys)
         self._hints: dict[str, RequestHints] = {}
-        self._loads = LoadBook(self._bs, self._calls, self.counters, hybrid=self._groups.hybrid)
+        self._loads = LoadBook(self._unit, self._calls, self.counters, hybrid=self._groups.hybrid,
+                               ratios=tuple(g.blocks(1, self._unit) for g in self._groups.groups))  # fmt: skip
         self._promotions = Promotions(self.counters, enabled=bool(extra.get("promote_hits", True)))
-        self._tails = Tails(self._groups, self._bs, self.counters, kv_cache_config)  # hits inside a block
+        self._tails = Tails(self._groups, self._unit, self.counters, kv_cache_config)  # hits inside a block
         self._vllm_hashes: dict[str, Any] = {}  # req -> request.block_hashes (vLLM's live list)
         self._book = HashBook(cap=1 << 20)  # our key -> vLLM hash, for the router's KV events
         self._vllm_cache: Any = None  # vLLM's KVCacheManager (bind_kv_cache_manager), for reset
@@ -150,9 +152,13 @@ class SchedulerHalf:
             self._hints[rid] = hints
 
     def _compute_keys(self, rid: str, prompt: list[int]) -> list[list[bytes]]:
-        keyer = self._calls.opened.keyer
-        base = request_block_keys(keyer, prompt, self._bs, self._salts.get(rid, ()))
-        return [group_block_keys(keyer, base, g.salt) for g in self._groups.groups]
+        keyer, salt = self._calls.opened.keyer, self._salts.get(rid, ())
+        base: dict[int, list[bytes]] = {}  # block size -> the prompt's block keys at that size
+        for g in self._groups.groups:
+            bs = g.tokens_per_block(self._unit)
+            if bs not in base:
+                base[bs] = request_block_keys(keyer, prompt, bs, salt)
+        return [group_block_keys(keyer, base[g.tokens_per_block(self._unit)], g.salt) for g in self._groups.groups]
 
     def loaded_group_ids(self) -> tuple[int, ...]:
         """vLLM's get_loaded_kv_cache_group_ids: a hit restores every group tiered_kv stores."""
@@ -166,12 +172,12 @@ class SchedulerHalf:
         if rid in self._no_store:
             return 0, False
         prompt = list(request.prompt_token_ids or [])
-        limit = self._loads.cap(rid, len(prompt) // self._bs + 1)  # blocks a hit may fill, a tail's too
+        limit = self._loads.cap(rid, len(prompt) // self._unit + 1)  # units a hit may fill, a tail's too
         max_blocks, reach = self._tails.bounds(len(prompt), limit)  # vLLM computes the last prompt token
         if reach <= num_computed:
             return 0, False
         keys = self._keys.get(rid, prompt)
-        first = num_computed // self._bs
+        first = num_computed // self._unit
         hints = self._hints.get(rid, NO_HINTS)
         # Whole blocks (hits.py), then maybe a partial tail (tails.py), on the cache's loop.
         hit = self._calls.find_hit(rid, lambda c: self._tails.find(c, keys, prompt, first, max_blocks, limit, hints))
@@ -248,7 +254,8 @@ class SchedulerHalf:
         else:
             req.prompt, req.keys, req.block_ids = prompt, keys, ids
             self.counters["readmitted_requests"] += 1
-        req.store_from(self._loads.loaded_upto(rid))
+        upto = self._loads.loaded_upto(rid)
+        req.store_from([g.blocks(upto, self._unit) for g in groups])
         return req
 
     def _fence(self, rid: str) -> list[int]:
@@ -265,7 +272,8 @@ class SchedulerHalf:
             hints = self._hints.get(rid, NO_HINTS)
             for st in self._store_book.plan(req, rid, done_tokens):
                 hashes = self._vllm_hashes.get(rid)
-                if st.full and hashes is not None and len(hashes) >= st.first + len(st.keys):
+                # vLLM's hashes are per block of its one block size; with several sizes no index maps them.
+                if st.full and hashes is not None and not self._groups.unit and len(hashes) >= st.first + len(st.keys):
                     self._book.remember(st.keys, hashes[st.first : st.first + len(st.keys)])
                 batch.append((req, (st.tag, st.keys, st.block_ids, st.prefix, hints, False)))
             batch += self._tails.stores(self._calls.opened.keyer, req, done_tokens)  # a partial last prompt block

@@ -33,9 +33,9 @@ class PlannedStore:
 
 
 class StoreBook:
-    def __init__(self, groups: KVGroups, block_size: int, counters: Counter[str]) -> None:
+    def __init__(self, groups: KVGroups, unit: int, counters: Counter[str]) -> None:
         self._groups = groups
-        self._bs = block_size
+        self._unit = unit  # tokens per hit unit (groups.py)
         self._counters = counters
         # Requests with window/state stores planned, fenced next step (also once finished and forgotten).
         self._windowed: dict[str, Req] = {}
@@ -47,7 +47,8 @@ class StoreBook:
         out: list[PlannedStore] = []
         for p, g in enumerate(self._groups.groups):
             keys, ids = req.keys[p], req.block_ids[p]
-            end = min(done_tokens, len(req.prompt), len(ids) * self._bs) // self._bs
+            bs = g.tokens_per_block(self._unit)
+            end = min(done_tokens, len(req.prompt), len(ids) * bs) // bs
             end = min(end, len(keys))
             start = req.next_store[p]
             if end <= start:
@@ -71,8 +72,8 @@ class StoreBook:
     def window_blocks(self, group: Group, prompt_len: int) -> list[int]:
         """A window/state group's blocks worth storing: what a hit at the prompt's last boundary needs,
         the same prompt again (one token short of it) or one that continues it (the whole prompt)."""
-        again, longer = (prompt_len - 1) // self._bs, prompt_len // self._bs
-        return sorted(set(group.needed(again, self._bs)) | set(group.needed(longer, self._bs)))
+        again, longer = (prompt_len - 1) // self._unit, prompt_len // self._unit
+        return sorted(set(group.needed(again, self._unit)) | set(group.needed(longer, self._unit)))
 
     def fence(self, proxy: Any, req: Req, rid: str) -> list[int]:
         """A preempted request's blocks are free now: no store of them may read them after this step's
