@@ -54,7 +54,7 @@ def full_attention(names: list[str], width: int = WIDTH) -> KVCacheGroupSpec:
                                                      dtype=torch.float32))  # fmt: skip
 
 
-def vllm_kv_caches(names: list[str], layout: str, pad: int = 0):
-    """(kv_cache_config, the views vLLM registers) for one full-attention group of ``names``."""
-    kcc = kv_cache_config([full_attention(names)], layout)
+def vllm_kv_caches(names: list[str], layout: str, pad: int = 0, groups: list[KVCacheGroupSpec] | None = None):
+    """(kv_cache_config, the views vLLM registers) for ``groups`` (default: one full-attention group of ``names``)."""
+    kcc = kv_cache_config(groups or [full_attention(names)], layout)
     return kcc, allocate(kcc, layout, pad)

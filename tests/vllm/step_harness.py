@@ -53,8 +53,11 @@ class Harness:
         layers: int = 1,
         kv_layout: str | None = None,
         pad: int = 0,
+        kv_groups: list | None = None,
     ) -> None:
         names = [f"layer.{i}" for i in range(layers)]
+        if kv_groups is not None:  # several KV cache groups (vLLM's specs, their own block sizes), one layer each
+            names = [name for g in kv_groups for name in g.layer_names]
         if kv_layout is None:  # one tensor per layer, a config without placements
             self.kv = {n: torch.zeros(NB, BS, 2, WIDTH) for n in names}  # block, token, K/V, width
             registered = self.kv
@@ -63,8 +66,12 @@ class Harness:
                           kv_cache_groups=[KVCacheGroupSpec(names, FullAttentionSpec(
                               block_size=BS, num_kv_heads=1, head_size=WIDTH, dtype=torch.float32))])  # fmt: skip
         else:  # vLLM's own placements and views (packed_kv.py), the harness writing through [block, token, K/V, width]
-            self.kcc, registered = vllm_kv_caches(names, kv_layout, pad=pad)
+            self.kcc, registered = vllm_kv_caches(names, kv_layout, pad=pad, groups=kv_groups)
             self.kv = {n: t[:, 0].unflatten(-1, (2, WIDTH)) for n, t in registered.items()}
+        # Each layer's group (its position in a block-ids tuple) and tokens per block.
+        self.layer_group = {n: next(i for i, g in enumerate(self.kcc.kv_cache_groups) if n in g.layer_names)
+                            for n in self.kv}  # fmt: skip
+        self.layer_bs = {n: self.kcc.kv_cache_groups[i].kv_cache_spec.block_size for n, i in self.layer_group.items()}
         self.registered = registered  # what the worker half was handed
         self.vcfg = NS(cache_config=NS(block_size=BS), model_config=NS(model="harness", revision=None),
                        parallel_config=NS(tensor_parallel_size=1, pipeline_parallel_size=1),
@@ -98,7 +105,7 @@ class Harness:
         self.sched.on_new_request(req)
         n, is_async = self.sched.matched_tokens(req, num_computed)
         if n:
-            self.sched.after_alloc(req, NS(get_block_ids=lambda: (list(block_ids),)), n)
+            self.sched.after_alloc(req, NS(get_block_ids=lambda: per_group(block_ids)), n)
         return n, is_async
 
     def finish(self, req: NS) -> bool:
@@ -113,10 +120,10 @@ class Harness:
         num_computed, num_scheduled); ``finished``: ids vLLM reports finished this step; ``report=False``
         holds the worker's report back a step (its jobs stay in flight at the scheduler)."""
         so = NS(preempted_req_ids=set(preempted),
-                scheduled_new_reqs=[NS(req_id=r.request_id, prompt_token_ids=r.prompt_token_ids, block_ids=(list(b),),
+                scheduled_new_reqs=[NS(req_id=r.request_id, prompt_token_ids=r.prompt_token_ids, block_ids=per_group(b),
                                        num_computed_tokens=c) for r, b, c, _ in new],
                 scheduled_cached_reqs=NS(req_ids=[c[0] for c in cached],
-                                         new_block_ids=[None if c[1] is None else (list(c[1]),) for c in cached],
+                                         new_block_ids=[None if c[1] is None else per_group(c[1]) for c in cached],
                                          num_computed_tokens=[c[2] for c in cached], resumed_req_ids=set(resumed)),
                 num_scheduled_tokens={**{r.request_id: s for r, _, _, s in new}, **{c[0]: c[3] for c in cached}},
                 finished_req_ids=set(finished))  # fmt: skip
@@ -158,23 +165,32 @@ class Harness:
             self.worker.wait_layer(name)
             self.after_start[name] = t.clone()
 
-    def write(self, prompt: list[int], blocks: list[int], start: int, end: int, layer: int | None = None) -> None:
-        """The forward's KV of positions [start, end): layer i holds the token's values + i / 4."""
+    def write(self, prompt: list[int], blocks, start: int, end: int, layer: int | None = None) -> None:
+        """The forward's KV of positions [start, end): layer i holds the token's values + i / 4, in the blocks
+        of its group (``blocks``: one group's ids, or a tuple of every group's)."""
         end = min(end, len(prompt))
         if end <= start:
             return
         vals = token_values(prompt[start:end])
-        for i, t in enumerate(self.kv.values()):
+        ids = per_group(blocks)
+        for i, (name, t) in enumerate(self.kv.items()):
             if layer is not None and i != layer:
                 continue
-            for pos in range(start, end):
-                t[blocks[pos // BS], pos % BS] = vals[pos - start] + i / 4
+            bs, table = self.layer_bs[name], ids[self.layer_group[name]]
+            for pos in range(start, min(end, len(table) * bs)):
+                t[table[pos // bs], pos % bs] = vals[pos - start] + i / 4
 
-    def holds(self, prompt: list[int], blocks: list[int], n_blocks: int, kv=None) -> bool:
+    def holds(self, prompt: list[int], blocks, n_blocks: int, kv=None, first: int = 0) -> bool:
+        """Whether blocks ``[first, n_blocks)`` of ``blocks`` hold the prompt's KV (a group's, with several)."""
         kv = kv if kv is not None else self.kv
-        want = token_values(prompt[: n_blocks * BS]).reshape(n_blocks, BS, 2, WIDTH)
-        got = [torch.stack([t[b] for b in blocks[:n_blocks]]) for t in kv.values()]
-        return all(torch.equal(g, want + i / 4) for i, g in enumerate(got))
+        ids = per_group(blocks)
+        ok = []
+        for i, (name, t) in enumerate(kv.items()):
+            bs, table = self.layer_bs[name], ids[self.layer_group[name]] if len(ids) > 1 else ids[0]
+            want = token_values(prompt[first * bs : n_blocks * bs]).reshape(n_blocks - first, bs, 2, WIDTH)
+            got = torch.stack([t[b] for b in table[first:n_blocks]])
+            ok.append(torch.equal(got, want + i / 4))
+        return all(ok)
 
     def idle(self, n: int = 3) -> None:
         """Empty steps (vLLM keeps stepping while the connector has jobs in flight)."""
@@ -190,7 +206,14 @@ class Harness:
         self.worker.close()
 
 
-def store_prompt(h: Harness, rid: str, prompt: list[int], blocks: list[int]) -> None:
+def per_group(blocks) -> tuple[list[int], ...]:
+    """Block ids per KV cache group: ``[ids]`` for one group, or already a tuple of every group's lists."""
+    if isinstance(blocks, tuple) or (blocks and isinstance(blocks[0], list)):
+        return tuple(list(b) for b in blocks)
+    return (list(blocks),)
+
+
+def store_prompt(h: Harness, rid: str, prompt: list[int], blocks) -> None:
     """A miss: ``prompt`` computed into ``blocks`` and stored, its request finished, every job landed."""
     req = request(rid, prompt)
     assert h.admit(req, blocks) == (0, False)

@@ -126,8 +126,9 @@ class KVGroups:
                 continue
             spec = g.kv_cache_spec
             window = 0
-            if kind == SLIDING:
-                window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0)
+            if kind == SLIDING:  # a uniform-type wrapper (a worker's config) holds one spec per layer
+                member = next(iter(spec.kv_cache_specs.values())) if hasattr(spec, "kv_cache_specs") else spec
+                window = int(member.sliding_window) + int(getattr(member, "extra_retained_tokens", 0) or 0)
             layers = tuple(g.layer_names)
             # One group keeps the plain keys (a one-group model's records stay readable across versions).
             salt = () if len(specs) == 1 else _group_salt(kind, layers)

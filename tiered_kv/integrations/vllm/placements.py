@@ -45,13 +45,13 @@ def _placed(kv_cache_config: Any) -> list[Any]:
 def packed_row_bytes(kv_cache_config: Any) -> int | None:
     """The packed block's bytes when the placements are block-outermost; None when layer-outermost.
 
-    A tensor says it is packed when its layers sit side by side inside a block (``block_stride >
-    layer_stride`` with several layers) or its first page starts inside block 0's row (``0 < offset <
-    block_stride``). Then every tensor must be packed the same way: one ``block_stride``, and every
+    A tensor says it is packed when its layers sit side by side inside a block (``layer_stride <
+    block_stride``: a layer-outermost layer's region is ``num_blocks`` pages) or its first page starts
+    inside block 0's row (``0 < offset < block_stride``). Then every tensor must be packed the same way: one ``block_stride``, and every
     layer's page starting inside the row; anything else is refused with the numbers.
     """
     placed = _placed(kv_cache_config)
-    signals = [t for t in placed if (len(t.layers) > 1 and int(t.block_stride) > int(t.layer_stride))
+    signals = [t for t in placed if 0 < int(t.layer_stride) < int(t.block_stride)
                or 0 < int(getattr(t, "offset", 0) or 0) < int(t.block_stride)]  # fmt: skip
     if not signals:
         return None
