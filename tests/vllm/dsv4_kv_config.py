@@ -35,6 +35,7 @@ def build(model: str, *, num_blocks: int = 8, max_model_len: int = 512, layout: 
     if layout:
         os.environ["VLLM_KV_CACHE_LAYOUT"] = layout
     import torch
+    import vllm.v1.core.kv_cache_utils as kvu
     import vllm.v1.worker.cpu.shm  # noqa: F401 - the CPU worker's torch.cuda.Event/Stream stand-ins
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -44,10 +45,8 @@ def build(model: str, *, num_blocks: int = 8, max_model_len: int = 512, layout: 
     from vllm.utils.network_utils import get_open_port
     from vllm.utils.torch_utils import set_default_torch_dtype
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
-    import vllm.v1.core.kv_cache_utils as kvu
     from vllm.v1.core.kv_cache_utils import (
         generate_scheduler_kv_cache_config,
-        get_kv_cache_configs,
         resolve_cache_hit_alignment_tokens,
         resolve_kv_cache_block_sizes,
     )

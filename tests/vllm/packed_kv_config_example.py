@@ -2,7 +2,7 @@
 functions on CPU tensors, no engine (python packed_kv_config_example.py). Tests can build packed layouts this way."""
 
 import torch
-from vllm.config import VllmConfig, CacheConfig
+from vllm.config import CacheConfig, VllmConfig
 from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
