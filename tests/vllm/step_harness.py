@@ -54,6 +54,7 @@ class Harness:
         kv_layout: str | None = None,
         pad: int = 0,
         kv_groups: list | None = None,
+        engine_kv: tuple | None = None,
     ) -> None:
         names = [f"layer.{i}" for i in range(layers)]
         if kv_groups is not None:  # several KV cache groups (vLLM's specs, their own block sizes), one layer each
@@ -72,10 +73,14 @@ class Harness:
         self.layer_group = {n: next(i for i, g in enumerate(self.kcc.kv_cache_groups) if n in g.layer_names)
                             for n in self.kv}  # fmt: skip
         self.layer_bs = {n: self.kcc.kv_cache_groups[i].kv_cache_spec.block_size for n, i in self.layer_group.items()}
-        self.registered = registered  # what the worker half was handed
         self.vcfg = NS(cache_config=NS(block_size=BS), model_config=NS(model="harness", revision=None),
                        parallel_config=NS(tensor_parallel_size=1, pipeline_parallel_size=1),
                        kv_events_config=None)  # fmt: skip
+        sched_kcc = self.kcc
+        if engine_kv is not None:  # a real model's (vllm_config, worker config, scheduler config, views): the
+            self.vcfg, self.kcc, sched_kcc, registered = engine_kv  # test writes the KV itself (no forward)
+            self.kv, self.layer_group, self.layer_bs = {}, {}, {}
+        self.registered = registered  # what the worker half was handed
         shm = tmp_path / "shm"
         shm.mkdir(mode=0o700, exist_ok=True)
         self.extra = {"config": {"tiers": {"cpu": {"capacity": cpu, "pin_memory": "off", "shared_path": str(shm)},
@@ -90,7 +95,7 @@ class Harness:
         eid = f"harness-{next(_ENGINES)}-{time.monotonic_ns()}"
         self.worker = WorkerHalf(self.vcfg, self.kcc, self.extra, eid)
         self.worker.register(registered)
-        self.sched = SchedulerHalf(self.vcfg, self.kcc, self.extra, eid)
+        self.sched = SchedulerHalf(self.vcfg, sched_kcc, self.extra, eid)
         self.sched.on_handshake({0: self.worker.handshake()})
         self.forward_s = forward_s
         self.fail_sync_loads = False
