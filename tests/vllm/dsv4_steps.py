@@ -2,7 +2,7 @@
 dsv4_kv_config.py) through the connector's real halves (step_harness.py), in a process of its own (building the
 model's layers sets up torch.distributed). Prints one JSON line.
 
-Usage: python dsv4_steps.py WORKDIR. The "forward" is the test's: random bytes in every row a prompt's block ids
+Usage: python dsv4_steps.py WORKDIR PHASE [MODEL_DIR] (main's docstring). The "forward" is the test's: random bytes in every row a prompt's block ids
 own, before the step whose save stores them; then other bytes over them, a second prompt with the same first 256
 tokens, and its loaded rows compared with the first prompt's, group by group, byte for byte.
 """
@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace as NS
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -42,48 +44,88 @@ def block_ids(kcc, prompt_len: int, start: int) -> tuple[list[int], ...]:
     return tuple(out)
 
 
+def ask_until_answered(h: Harness, req, steps: int = 60) -> tuple[int, bool]:
+    """vLLM's loop for a waiting request: asked each step until a number comes (a disk hit is promoted first)."""
+    for _ in range(steps):
+        n, is_async = h.sched.matched_tokens(req, 0)
+        if n is not None:
+            return n, is_async
+        h.step()
+        time.sleep(0.005)
+    raise AssertionError(f"still answered None after {steps} steps")
+
+
+def corrupt_records(disk: Path) -> int:
+    """Flip one payload byte in every record of every namespace's data file; return how many."""
+    n = 0
+    for ns in disk.glob("ns-*"):
+        record = json.loads((ns / "namespace.json").read_text())["record_size"]
+        data = ns / "blocks.dat"
+        with data.open("r+b") as f:
+            for off in range(128 + 1000, data.stat().st_size, record):
+                f.seek(off)
+                byte = f.read(1)
+                f.seek(off)
+                f.write(bytes([byte[0] ^ 0xFF]))
+                n += 1
+    return n
+
+
 def main() -> None:
-    work = Path(sys.argv[1])
-    model = make_tiny_deepseek_v4(work / "model")
+    """Phases: ``cpu`` (store, then a hit from the CPU tier), ``store`` (store through to disk and stop), ``restart``
+    (a fresh process over that disk: the hit promoted from disk), ``corrupt`` (every record's bytes flipped first)."""
+    work, phase = Path(sys.argv[1]), sys.argv[2]
+    model = Path(sys.argv[3]) if len(sys.argv) > 3 else work / "model"  # one path: the namespace names it
+    if not (model / "config.json").exists():
+        make_tiny_deepseek_v4(model)
     vllm_config, kcc, sched_kcc, views = build(str(model), num_blocks=NUM_BLOCKS, max_model_len=512)
     row = scheduler_bytes_per_block(kcc)
     storage = next(iter(views.values())).untyped_storage()
     rows = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (NUM_BLOCKS, row), (row, 1))
-    h = Harness(work, cpu="16MiB", engine_kv=(vllm_config, kcc, sched_kcc, views))
+    a_ids = block_ids(kcc, len(A), 1)  # block 0 is vLLM's null block
+    gen = torch.Generator().manual_seed(7)
+    written = {g: torch.randint(0, 256, (len(ids), row), dtype=torch.uint8, generator=gen) for g, ids in enumerate(a_ids)}
+    disk = {} if phase == "cpu" else {"disk": "32MiB", "spill": "write_through"}
+    if phase == "corrupt":
+        corrupt_records(work / "disk")
+    h = Harness(work, cpu="16MiB", engine_kv=(vllm_config, kcc, sched_kcc, views), **disk)
     out: dict = {"row": row, "layout": kcc.kv_cache_layout, "groups": h.sched.report()["groups"],
                  "bytes_per_block": h.sched.report()["stats"]["bytes_per_block"]}  # fmt: skip
     try:
-        gen = torch.Generator().manual_seed(7)
-        a_ids = block_ids(kcc, len(A), 1)  # block 0 is vLLM's null block
-        for ids in a_ids:
-            rows[ids] = torch.randint(0, 256, (len(ids), row), dtype=torch.uint8, generator=gen)
-        written = rows.clone()
-        a = request("a", A)
-        out["a_hit"] = h.admit(a, a_ids)[0]
-        h.step(new=[(a, a_ids, 0, len(A))])
-        h.idle()
-        h.finish(a)
-        h.idle()
-        out["stored"] = {k: v for k, v in h.counters().items() if k.startswith("stored_")}
+        if phase in ("cpu", "store"):
+            for g, ids in enumerate(a_ids):
+                rows[ids] = written[g]  # the "forward"
+            a = request("a", A)
+            out["a_hit"] = h.admit(a, a_ids)[0]
+            h.step(new=[(a, a_ids, 0, len(A))])
+            h.idle()
+            h.finish(a)
+            h.idle()
+            out["stored"] = {k: v for k, v in h.counters().items() if k.startswith("stored_")}
+        if phase == "store":
+            return
         rows[:] = 0  # other requests' KV everywhere
         b_ids = block_ids(kcc, len(B), 1 + sum(map(len, a_ids)))
         b = request("b", B)
-        n, is_async = h.admit(b, b_ids)
+        h.sched.on_new_request(b)
+        n, is_async = ask_until_answered(h, b)
         out["b_hit"], out["b_async"] = n, is_async
-        for _ in range(30):
-            h.step()
-            if "b" in h.finished_recving:
-                break
+        if n:
+            h.sched.after_alloc(b, NS(get_block_ids=lambda: b_ids), n)
+            for _ in range(30):
+                h.step()
+                if "b" in h.finished_recving:
+                    break
         out["b_loaded"] = "b" in h.finished_recving
         loaded: dict[str, list[int]] = {}
         for g, (old, new) in enumerate(zip(a_ids, b_ids, strict=True)):
-            same = [i for i in range(min(len(old), len(new))) if torch.equal(rows[new[i]], written[old[i]])]
+            same = [i for i in range(min(len(old), len(new))) if torch.equal(rows[new[i]], written[g][i])]
             loaded[str(g)] = same  # the block indices whose whole row came back
         out["loaded_rows"] = loaded
-        out["loaded_blocks"] = h.counters().get("loaded_blocks", 0)
+        out["counters"] = h.counters()
     finally:
         h.close()
-    print(json.dumps(out))
+        print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ class Harness:
         pad: int = 0,
         kv_groups: list | None = None,
         engine_kv: tuple | None = None,
+        spill: str | None = None,
     ) -> None:
         names = [f"layer.{i}" for i in range(layers)]
         if kv_groups is not None:  # several KV cache groups (vLLM's specs, their own block sizes), one layer each
@@ -89,6 +90,8 @@ class Harness:
         if disk is not None:  # a disk tier of this capacity under tmp_path
             tiers = self.extra["config"]["tiers"]
             tiers["disk"] = {"enabled": True, "path": str(tmp_path / "disk"), "capacity": disk}
+            if spill is not None:
+                tiers["disk"]["spill_policy"] = spill
         self.extra.update(extra or {})  # kv_connector_extra_config's other keys
         if inflight is not None:  # transfer.max_inflight_bytes
             self.extra["config"]["transfer"]["max_inflight_bytes"] = inflight
