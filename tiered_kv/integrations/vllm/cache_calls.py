@@ -302,17 +302,40 @@ async def _then_demote(cache: Any, load: Coroutine[Any, Any, Any], keys: Sequenc
         cache.manager.demote(keys)
 
 
-def close_before_executors_exit(close: Callable[[], None]) -> None:
+class ExitHook:
+    """A hook threading runs at exit that calls ``close`` once, unless ``cancel`` dropped it first.
+
+    threading has no way to unregister a hook, so the hook itself lets go of what it would close: an
+    owner that closed (and cancelled its hook) is free to be collected, where a hook holding it would keep
+    every scheduler half of a process that builds engine after engine. One that never closed stays
+    reachable from here and is closed at exit, as before."""
+
+    def __init__(self, close: Callable[[], None]) -> None:
+        self._close: Callable[[], None] | None = close
+
+    def __call__(self) -> None:
+        close, self._close = self._close, None
+        if close is not None:
+            close()
+
+    def cancel(self) -> None:
+        self._close = None
+
+
+def close_before_executors_exit(close: Callable[[], None]) -> ExitHook:
     """Close (flushing the disk tier) before concurrent.futures stops its executors at exit.
 
     vLLM may shut the connector down from a finalizer that runs after those
     executors are gone; hooks registered here run before them (last registered,
     first run), so a process that simply exits still leaves a flushed disk tier.
+    The owner cancels the returned hook once it closed by itself (ExitHook).
     """
+    hook = ExitHook(close)
     register = getattr(threading, "_register_atexit", None)
     if register is None:  # not CPython: the plain atexit hook is the best there is
         import atexit
 
-        atexit.register(close)
+        atexit.register(hook)
     else:
-        register(close)
+        register(hook)
+    return hook

@@ -110,7 +110,7 @@ class SchedulerHalf:
         self._book = HashBook(cap=1 << 20)  # our key -> vLLM hash, for the router's KV events
         self._vllm_cache: Any = None  # vLLM's KVCacheManager (bind_kv_cache_manager), for reset
         self._closed = False
-        close_before_executors_exit(self.close)
+        self._exit_hook = close_before_executors_exit(self.close)  # cancelled by close: the half can go
 
     # -- start: the workers' handshake carries each rank's layout -----------------------------
     def on_handshake(self, metas: dict[int, Any]) -> None:
@@ -371,6 +371,7 @@ class SchedulerHalf:
         if self._closed:
             return
         self._closed = True
+        self._exit_hook.cancel()  # the hook no longer keeps this half (and its cache's state) alive
         self._maybe_write_stats(force=True)
         self._calls.close("the engine is shutting down")
 
