@@ -56,6 +56,8 @@ class CacheCalls:
         self._counters = counters
         self._hook: str | None = None
         self._opened: SchedulerCache | None = None
+        self._closed = False  # close() ran: the cache is closed (or failed to), its loop thread stopped
+        self._last_stats: dict[str, Any] = {}  # the cache's stats as close() found them
 
     # -- start and stop ---------------------------------------------------------------------------
     def open(
@@ -70,7 +72,13 @@ class CacheCalls:
 
     @property
     def is_open(self) -> bool:
-        return self._opened is not None
+        """Opened by the workers' handshake and not closed since: the hooks may call the cache."""
+        return self._opened is not None and not self._closed
+
+    @property
+    def state(self) -> str:
+        """``new`` (no handshake yet), ``open`` or ``closed`` (close() ran, whether or not it succeeded)."""
+        return "new" if self._opened is None else "closed" if self._closed else "open"
 
     @property
     def opened(self) -> SchedulerCache:
@@ -88,6 +96,12 @@ class CacheCalls:
     def close(self, why: str) -> None:
         """Fail the jobs in flight (vLLM stops its workers before the scheduler: no rank will report them),
         close the cache, stop the loop thread. Never raises: closing must not take the engine down."""
+        if self._closed:
+            return
+        try:
+            self._last_stats = self.stats()  # what report() shows once closed
+        except Exception:
+            log.exception("tiered_kv: the scheduler cache's stats could not be read before closing it")
         try:
             if self._opened is not None:
                 with self.locked():
@@ -96,6 +110,7 @@ class CacheCalls:
         except Exception:
             log.exception("tiered_kv: closing the scheduler cache failed")
         finally:
+            self._closed = True
             self._loop.stop()
 
     # -- the state lock: vLLM's thread calls the cache directly (state_lock.py) -------------------
@@ -260,9 +275,9 @@ class CacheCalls:
             return self.opened.cache.take_events()
 
     def stats(self) -> dict[str, Any]:
-        """The cache's stats ({} before it opened)."""
-        if self._opened is None:
-            return {}
+        """The cache's stats ({} before it opened; once closed, the last ones it had)."""
+        if self._opened is None or self._closed:
+            return dict(self._last_stats)
         with self.locked():
             return self._opened.cache.stats()
 

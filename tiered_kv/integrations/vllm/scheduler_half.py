@@ -361,7 +361,8 @@ class SchedulerHalf:
         groups = [{"group": g.index, "kind": g.kind, "window": g.window, "bytes_per_block": self._group_bytes[g.index]}
                   for g in self._groups.groups]  # fmt: skip
         return {"counters": dict(self.counters), "stats": self._calls.stats(), "groups": groups,
-                "kv_cache_groups": self._groups.num_groups, "stored_ranks": self._stored_ranks}  # fmt: skip
+                "kv_cache_groups": self._groups.num_groups, "stored_ranks": self._stored_ranks,
+                "state": self._calls.state}  # fmt: skip
 
     def _maybe_write_stats(self, force: bool = False) -> None:
         if self._calls.is_open and (force or not self._closed):
@@ -372,8 +373,11 @@ class SchedulerHalf:
             return
         self._closed = True
         self._exit_hook.cancel()  # the hook no longer keeps this half (and its cache's state) alive
-        self._maybe_write_stats(force=True)
+        self._maybe_write_stats(force=True)  # before closing: vLLM may kill the process meanwhile
+        opened = self._calls.is_open
         self._calls.close("the engine is shutting down")
+        if opened:  # again, saying "state": "closed" (the stats are the last ones the cache had)
+            self._stats_file.write(self.counters, self.report, force=True)
 
 
 def _log_store_failure(future: concurrent.futures.Future) -> None:
