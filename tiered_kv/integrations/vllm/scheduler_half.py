@@ -105,7 +105,7 @@ class SchedulerHalf:
         self._hints: dict[str, RequestHints] = {}
         self._loads = LoadBook(self._bs, self._calls, self.counters, hybrid=self._groups.hybrid)
         self._promotions = Promotions(self.counters, enabled=bool(extra.get("promote_hits", True)))
-        self._tails = Tails(self._groups, self._bs, self.counters, kv_cache_config)  # hits inside a block
+        self._tails = Tails(self._groups, self._bs, kv_cache_config)  # hits inside a block
         self._vllm_hashes: dict[str, Any] = {}  # req -> request.block_hashes (vLLM's live list)
         self._book = HashBook(cap=1 << 20)  # our key -> vLLM hash, for the router's KV events
         self._vllm_cache: Any = None  # vLLM's KVCacheManager (bind_kv_cache_manager), for reset
