@@ -133,27 +133,25 @@ def test_demote_of_nothing_or_of_missing_keys_changes_nothing():
 
 
 def test_only_a_model_with_one_full_attention_group_answers_inside_a_block_and_stores_tails():
-    from collections import Counter
     from types import SimpleNamespace
 
     from tiered_kv.integrations.vllm.groups import FULL, SLIDING, Group, KVGroups
     from tiered_kv.integrations.vllm.tails import Tails
 
-    one = Tails(KVGroups((Group(0, FULL, ("a",)),), 1), 32, Counter())
+    one = Tails(KVGroups((Group(0, FULL, ("a",)),), 1), 32)
     assert (one.inside, one.records) == (True, True)
     assert one.bounds(960, 960 // 32 + 1) == (30, 959)  # every block of the 960-token prompt, 959 tokens
     assert one.bounds(1000, 1000 // 32 + 1) == (31, 999)  # 31 blocks and 7 of the 8 tail tokens
     assert one.bounds(1000, 29) == (29, 29 * 32)  # a load that came up short caps it: no tail past it
-    hybrid = Tails(KVGroups((Group(0, FULL, ("a",)), Group(1, SLIDING, ("b",), 64)), 2), 32, Counter())
+    hybrid = Tails(KVGroups((Group(0, FULL, ("a",)), Group(1, SLIDING, ("b",), 64)), 2), 32)
     assert (hybrid.inside, hybrid.records) == (False, False)
     assert hybrid.bounds(960, 31) == (29, 928)  # block-aligned, before the last prompt token's block
-    zeroed = Tails(KVGroups((Group(0, FULL, ("a",)),), 1), 32, Counter(), SimpleNamespace(needs_kv_cache_zeroing=True))
+    zeroed = Tails(KVGroups((Group(0, FULL, ("a",)),), 1), 32, SimpleNamespace(needs_kv_cache_zeroing=True))
     assert (zeroed.inside, zeroed.records) == (True, False)
     assert zeroed.bounds(1000, 32) == (31, 992)
 
 
 def test_an_mla_model_keeps_whole_blocks():
-    from collections import Counter
     from types import SimpleNamespace
 
     from tiered_kv.integrations.vllm.groups import FULL, Group, KVGroups
@@ -161,6 +159,6 @@ def test_an_mla_model_keeps_whole_blocks():
 
     mla_spec = type("MLAAttentionSpec", (), {})()  # what vLLM names DeepSeek's latent KV spec
     kcc = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=mla_spec)])
-    mla = Tails(KVGroups((Group(0, FULL, ("a",)),), 1), 32, Counter(), kcc)
+    mla = Tails(KVGroups((Group(0, FULL, ("a",)),), 1), 32, kcc)
     assert (mla.inside, mla.records) == (False, False)
     assert mla.bounds(960, 31) == (29, 928)

@@ -49,15 +49,16 @@ PREEMPT_PROMPTS = [tokens(60 + k, 350) for k in range(4)]  # 11 blocks each: a 2
 ALL_PROMPTS = [PROMPT_A, PROMPT_B, *FILLERS, *CONCURRENT, *PREEMPT_PROMPTS]
 
 
-def run_engine(spec: dict, tmp: Path, timeout: float = 240) -> dict:
-    """Run engine_proc.py in a fresh process; return its report, or fail with its output."""
+def run_engine(spec: dict, tmp: Path, timeout: float = 240, env: dict[str, str] | None = None) -> dict:
+    """Run engine_proc.py in a fresh process; return its report, or fail with its output. ``env``: set in
+    that process's environment from its start (PYTHONPATH, which the spec's own "env" comes too late for)."""
     n = len(list(tmp.glob("spec-*")))
     spec_file = tmp / f"spec-{os.getpid()}-{n}.json"
     if spec.get("tiered_kv") is not None:
         spec = {"stats_file": str(tmp / f"stats-{n}.json"), **spec}
     spec_file.write_text(json.dumps(spec))
     proc = subprocess.run([sys.executable, str(HERE / "engine_proc.py"), str(spec_file)], capture_output=True,
-                          text=True, timeout=timeout, cwd=tmp)  # fmt: skip
+                          text=True, timeout=timeout, cwd=tmp, env={**os.environ, **(env or {})})  # fmt: skip
     for line in proc.stdout.splitlines():
         if line.startswith("ENGINE_REPORT "):
             if proc.returncode != 0:

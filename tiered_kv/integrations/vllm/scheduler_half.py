@@ -107,12 +107,12 @@ class SchedulerHalf:
         self._loads = LoadBook(self._unit, self._calls, self.counters, hybrid=self._groups.hybrid,
                                ratios=tuple(g.blocks(1, self._unit) for g in self._groups.groups))  # fmt: skip
         self._promotions = Promotions(self.counters, enabled=bool(extra.get("promote_hits", True)))
-        self._tails = Tails(self._groups, self._unit, self.counters, kv_cache_config)  # hits inside a block
+        self._tails = Tails(self._groups, self._unit, kv_cache_config)  # hits inside a block
         self._vllm_hashes: dict[str, Any] = {}  # req -> request.block_hashes (vLLM's live list)
         self._book = HashBook(cap=1 << 20)  # our key -> vLLM hash, for the router's KV events
         self._vllm_cache: Any = None  # vLLM's KVCacheManager (bind_kv_cache_manager), for reset
         self._closed = False
-        close_before_executors_exit(self.close)
+        self._exit_hook = close_before_executors_exit(self.close)  # cancelled by close: the half can go
 
     # -- start: the workers' handshake carries each rank's layout -----------------------------
     def on_handshake(self, metas: dict[int, Any]) -> None:
@@ -369,7 +369,8 @@ class SchedulerHalf:
         groups = [{"group": g.index, "kind": g.kind, "window": g.window, "bytes_per_block": self._group_bytes[g.index]}
                   for g in self._groups.groups]  # fmt: skip
         return {"counters": dict(self.counters), "stats": self._calls.stats(), "groups": groups,
-                "kv_cache_groups": self._groups.num_groups, "stored_ranks": self._stored_ranks}  # fmt: skip
+                "kv_cache_groups": self._groups.num_groups, "stored_ranks": self._stored_ranks,
+                "state": self._calls.state}  # fmt: skip
 
     def _maybe_write_stats(self, force: bool = False) -> None:
         if self._calls.is_open and (force or not self._closed):
@@ -379,8 +380,12 @@ class SchedulerHalf:
         if self._closed:
             return
         self._closed = True
-        self._maybe_write_stats(force=True)
+        self._exit_hook.cancel()  # the hook no longer keeps this half (and its cache's state) alive
+        self._maybe_write_stats(force=True)  # before closing: vLLM may kill the process meanwhile
+        opened = self._calls.is_open
         self._calls.close("the engine is shutting down")
+        if opened:  # again, saying "state": "closed" (the stats are the last ones the cache had)
+            self._stats_file.write(self.counters, self.report, force=True)
 
 
 def _log_store_failure(future: concurrent.futures.Future) -> None:

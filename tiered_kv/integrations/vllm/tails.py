@@ -87,11 +87,10 @@ def _mla(kv_cache_config: Any) -> bool:
 class Tails:
     """What a hit may answer past whole blocks, and the partial tails stored for it (module docstring)."""
 
-    def __init__(self, groups: KVGroups, block_size: int, counters: Counter[str], kv_cache_config: Any = None,
+    def __init__(self, groups: KVGroups, block_size: int, kv_cache_config: Any = None,
                  *, index_cap: int = INDEX_CAP) -> None:  # fmt: skip
         self._groups = groups
         self._bs = block_size
-        self._counters = counters
         one_full = not groups.hybrid and len(groups.groups) == 1 and groups.groups[0].kind == FULL
         one_full = one_full and not _mla(kv_cache_config)
         zeroing = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))  # new blocks are zeroed
@@ -147,9 +146,7 @@ class Tails:
             hit.boundary, hit.tail, hit.tokens = j + 1, key, j * bs + min(m, usable)
             hit.where[tier] += 1
             hit.in_cpu = hit.in_cpu and tier == "cpu" and cache.copies_now(hit.blocks)
-            self._counters["tail_hits"] += 1
-            self._counters["tail_hit_tokens"] += min(m, usable)
-            return hit
+            return hit  # counted as a tail hit once its load landed (loads.py), not per lookup
         return hit
 
     # -- stores ---------------------------------------------------------------------------------
