@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import threading
 
 import pytest
 from cache_helpers import cache_for, config, fill, holds, make_kv
@@ -224,3 +225,32 @@ async def test_racing_stores_of_the_same_keys_count_in_flight_and_evict_once(tmp
         assert a.skipped == b.skipped == 1
         assert cache.stats()["metrics"]["tiered_kv_spills_total"] == 4  # the 4 displaced blocks, never 12
         cache.check_invariants()
+
+
+async def test_a_spill_cancelled_mid_write_releases_its_slots_and_raises_the_cancel(tmp_path, device):
+    # A write-through spill whose disk write is held behind the disk executor's busy threads, cancelled there:
+    # it must wait for its write, then release the job's CPU slots and re-raise CancelledError (an unbound
+    # ``ok`` once turned the cancel into UnboundLocalError and left the slots pinned for ever).
+    kv = make_kv(64, device)
+    async with cache_for(kv, config(tmp_path, cpu_blocks=16, disk_blocks=32, spill="write_through")) as cache:
+        executor = cache._res.disk.store._calls.executor
+        gate = threading.Event()
+        busy = [executor.submit(gate.wait, 10) for _ in range(executor._max_workers)]
+        keys = cache.keyer.keys_for_block_ids(range(4))
+        for i, key in enumerate(keys):
+            fill(kv, i, key)
+        before = set(cache._tasks)
+        await cache.store(keys, [0, 1, 2, 3])  # committed to the CPU tier; its disk write waits in the background
+        (spill,) = set(cache._tasks) - before
+        await asyncio.sleep(0.01)
+        spill.cancel()
+        await asyncio.sleep(0.01)
+        assert not spill.done()  # it waits for the write it started, which reads the CPU slots
+        gate.set()
+        await asyncio.wait([asyncio.wrap_future(f) for f in busy])
+        with pytest.raises(asyncio.CancelledError):
+            await spill
+        cache.check_invariants()
+        assert cache.manager.cpu.n_ready_pinned == 0  # the job's slots are not held by a spill nobody finishes
+        assert cache.lookup(keys).cpu == 4 and await cache.load(keys, [40, 41, 42, 43]) == 4
+        assert all(holds(kv, 40 + i, key) for i, key in enumerate(keys))

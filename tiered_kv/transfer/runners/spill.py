@@ -75,11 +75,11 @@ class SpillRunner:
     async def spill(self, job: SpillJob) -> None:
         """CPU -> disk; the manager commits what was written. Never raises for disk faults."""
         disk = self._disk
+        ok = None  # cancelled or failed before the write said: nothing counts as written
         try:
             ok = await self._dispatch.run("cpu", "disk", job) if disk is not None and disk.writable else None
         except DiskError as exc:
             disk.degrade(exc)
-            ok = None
         finally:
             if ok is None:
                 ok = np.zeros(len(job), dtype=bool)
