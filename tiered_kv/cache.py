@@ -1,9 +1,9 @@
 """TieredKVCache: the asyncio facade that holds and wires the tier manager, the runners and the lifecycle.
 
-A move runs in three phases: plan (synchronous: manager/), execute (asynchronous: a runner of
-transfer/runners/ hands the plan's jobs to the dispatcher, which runs each through its handler
-and copy engine), finish (synchronous: the manager commits or aborts). ``lookup`` and ``touch``
-call the manager; ``store`` and ``load`` check their arguments here and hand the call to a runner.
+A move runs in three phases: plan (synchronous: manager/), execute (asynchronous: a runner of transfer/runners/
+hands the plan's jobs to the dispatcher, which runs each through its handler and copy engine), finish
+(synchronous: the manager commits or aborts). ``lookup``, ``touch`` and ``demote`` call the manager; ``store``
+and ``load`` check their arguments here and hand the call to a runner.
 Every part gets its collaborators as constructor arguments: the manager and the dispatcher at
 construction, the resources (cache_resources.py) and the runners at start, new runners at ``reset``.
 """
@@ -81,14 +81,8 @@ class TieredKVCache:
         self.dispatcher = Dispatcher(self._budget, self.metrics, layout.bytes_per_block)
         # The factories are injected by a scheduler process (cross_process/): its slab is the shared
         # segment and its engine sends the copies to the workers; everything else is this same cache.
-        self._res = CacheResources(
-            cfg,
-            layout,
-            self.keyer,
-            self._slots.get("disk"),
-            slabs_factory=slabs_factory,
-            engine_factory=engine_factory or self._local_engine,
-        )
+        self._res = CacheResources(cfg, layout, self.keyer, self._slots.get("disk"), slabs_factory=slabs_factory,
+                                   engine_factory=engine_factory or self._local_engine)  # fmt: skip
         self._tasks = TaskSet()
         self._progress = Progress()  # every runner's plans wake its waiters
         self._runners: Runners | None = None  # while the cache is open
@@ -232,6 +226,11 @@ class TieredKVCache:
         self.manager.touch(keys, held=bool(held))
         if session is not None:
             self.manager.hint(check_session(session), keys, bool(expect_followup))
+
+    def demote(self, keys: Sequence[bytes]) -> int:
+        """``keys``' resident blocks first to go in every tier, dropped, never spilled (``touch`` undoes it)."""
+        check_keys(keys, self._key_bytes)
+        return self.manager.demote(keys)
 
     def release(self, session: str | int) -> list[bytes]:
         """The session ended: its chain's blocks no live session shares become the first to evict (dropped,

@@ -212,3 +212,19 @@ async def test_a_closed_cache_frees_its_tiers(tmp_path, device):
     del cache, m
     gc.collect()
     assert [r() for r in refs] == [None] * len(refs)
+
+
+async def test_demoted_blocks_are_the_first_to_go_and_a_touch_takes_them_back(device):
+    kv = make_kv(device=device)
+    async with cache_for(kv, config(cpu_blocks=4)) as cache:
+        keys = keys_for(cache, range(6))
+        for i, key in enumerate(keys):
+            fill(kv, i, key)
+        await cache.store(keys[:4], [0, 1, 2, 3])
+        assert cache.demote([keys[3], keys[2]]) == 2  # the newest blocks, put first in line
+        cache.touch([keys[2]])  # used again: back in its place
+        await cache.store(keys[4:5], [4])  # a full tier: one block must go
+        assert cache.lookup([keys[3]]).total == 0  # the demoted one, not the oldest (keys[0])
+        assert cache.lookup(keys[:3]).total == 3
+        assert cache.demote([keys[5]]) == 0  # not held: nothing to demote
+        cache.check_invariants()

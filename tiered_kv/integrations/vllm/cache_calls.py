@@ -183,7 +183,7 @@ class CacheCalls:
             return
         with self.locked():
             if cold:
-                cache.manager.demote(keys)
+                cache.demote(keys)
             self._counters["stored_tail_blocks" if cold else "stored_blocks"] += getattr(fut.result(), "stored", 0)
 
     def load_later(
@@ -205,7 +205,7 @@ class CacheCalls:
                 return await cache.promote(keys)
             finally:
                 if cold:  # a partial tail stays the first to go (tails.py)
-                    cache.manager.demote(cold)
+                    cache.demote(cold)
 
         return self._loop.submit(run())
 
@@ -239,7 +239,7 @@ class CacheCalls:
             proxy.seal_request(tag)
             if not planned:
                 return None, 0
-            return _joined(futures, grouped, lambda: cache.manager.demote(cold) if cold else None), min(planned, n_blocks)
+            return _joined(futures, grouped, lambda: cache.demote(cold) if cold else None), min(planned, n_blocks)
 
     def _load(self, parts: Parts, grouped: bool, cold: Sequence[bytes]) -> Coroutine[Any, Any, Any]:
         cache = self.opened.cache
@@ -314,7 +314,7 @@ async def _then_demote(cache: Any, load: Coroutine[Any, Any, Any], keys: Sequenc
     try:
         return await load
     finally:
-        cache.manager.demote(keys)
+        cache.demote(keys)
 
 
 class ExitHook:
