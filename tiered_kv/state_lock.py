@@ -19,7 +19,7 @@ import selectors
 import threading
 from collections.abc import Iterator
 
-__all__ = ["StateLock", "locked_loop"]
+__all__ = ["StateLock", "borrowed_loop", "has_callbacks", "locked_loop"]
 
 
 class StateLock:
@@ -117,3 +117,25 @@ def locked_loop(lock: StateLock) -> asyncio.AbstractEventLoop:
     """asyncio's selector loop over ``lock`` (uvloop cannot let go of a lock around its polls). Its thread
     must take the lock before ``run_forever`` and release it after."""
     return asyncio.SelectorEventLoop(_LockedSelector(lock))
+
+
+# The only private asyncio names in the package live below, each for a reason no public API covers.
+
+
+@contextlib.contextmanager
+def borrowed_loop(loop: asyncio.AbstractEventLoop) -> Iterator[None]:
+    """Make ``loop`` this thread's running loop while the thread holds the state lock (the loop is parked):
+    the cache's synchronous code creates futures and schedules callbacks with ``get_running_loop()``, and
+    asyncio has no public way to run a loop's code on another thread than the one in ``run_forever``."""
+    before = asyncio.events._get_running_loop()
+    asyncio.events._set_running_loop(loop)
+    try:
+        yield
+    finally:
+        asyncio.events._set_running_loop(before)
+
+
+def has_callbacks(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether ``loop`` has callbacks ready to run (its ``_ready`` queue; True when a loop has none such):
+    a caller that scheduled nothing need not wake it (a wake-up is a write and a loop iteration)."""
+    return bool(getattr(loop, "_ready", True))

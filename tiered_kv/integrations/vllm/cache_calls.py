@@ -36,7 +36,7 @@ from ...cross_process import (
 from ...errors import ConfigError
 from ...layout import KVLayout
 from ...loops import LoopThread
-from ...state_lock import StateLock
+from ...state_lock import StateLock, borrowed_loop, has_callbacks
 from .hints import RequestHints
 from .hits import Hit
 
@@ -121,19 +121,18 @@ class CacheCalls:
         ``hook``: the half's hook this is, for the ``loop_calls_<hook>`` counters."""
         outer = not self._lock.held_by_me()
         self._lock.acquire()
-        before = hook_before = None
-        if outer:
-            before, hook_before = asyncio.events._get_running_loop(), self._hook
-            asyncio.events._set_running_loop(self._loop.loop)
-            self._hook = hook or self._hook
+        hook_before = self._hook
         try:
-            yield
+            if not outer:
+                yield
+                return
+            self._hook = hook or self._hook
+            with borrowed_loop(self._loop.loop):
+                yield
         finally:
-            if outer:
-                asyncio.events._set_running_loop(before)
-                self._hook = hook_before
+            self._hook = hook_before
             self._lock.release()
-            if outer and getattr(self._loop.loop, "_ready", True):  # it has callbacks this call scheduled
+            if outer and has_callbacks(self._loop.loop):  # it has callbacks this call scheduled
                 self._loop.wake()
 
     def _loop_call(self) -> None:
