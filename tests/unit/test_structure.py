@@ -9,6 +9,8 @@ are not counted.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -148,3 +150,12 @@ def test_no_circles():
 def test_module_is_small(path: Path):
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_LINES, f"{path.relative_to(ROOT.parent)} has {lines} lines (at most {MAX_LINES})"
+
+
+def test_importing_the_errors_loads_no_heavy_dependency():
+    # vLLM's plugin hook and a CLI's --help import tiered_kv.errors: the package's __init__ imports lazily.
+    code = ("import sys, tiered_kv.errors, tiered_kv; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'pydantic', 'yaml', 'torch', 'numpy'}), "
+            "'tiered_kv._core' in sys.modules)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["[]", "False"], out
