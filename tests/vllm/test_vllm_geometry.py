@@ -55,3 +55,16 @@ def test_rank_whose_tensors_disagree_with_the_scheduler_refuses_naming_both_numb
     # The scheduler's check of each rank's handshake (a rank built with other tensors than it planned):
     with pytest.raises(tkv.LayoutError, match=r"TP rank 1 has 8192 bytes .* planned 4096 bytes"):
         check_rank_bytes(8192, 4096, rank=1)
+
+
+def test_a_pool_whose_block_count_equals_another_dim_starts_and_serves_a_hit(model_dir, baseline, tmp_path):
+    # 64 blocks of the tiny Llama: each layer's view is [64, 2, 32, 64], dims 0 and 3 both 64. The block dim is
+    # the one the placement's block_stride names; guessing from the shape refused to start ("ambiguous").
+    from conftest import PREFIX_TOKENS, PROMPT_A, PROMPT_B, cache_config, outputs, run_engine
+
+    steps = [{"generate": [PROMPT_A]}, {"reset": True}, {"generate": [PROMPT_B]}]
+    report = run_engine({"model": model_dir, "num_gpu_blocks": 64, "steps": steps, "tiered_kv": cache_config()},
+                        tmp_path)  # fmt: skip
+    (a,), (b,) = outputs(report)
+    assert b["cached"] >= PREFIX_TOKENS  # vLLM's own cache was reset: the hit is the CPU tier's
+    assert (a["tokens"], b["tokens"]) == (baseline[tuple(PROMPT_A)], baseline[tuple(PROMPT_B)])
