@@ -49,10 +49,12 @@ def _patch_cpu_platform(mod) -> None:
     def check_and_update_config(cls_, vllm_config) -> None:
         model_config = vllm_config.model_config
         dsv4 = model_config is not None and getattr(model_config.hf_config, "model_type", None) == "deepseek_v4"
+        mla = model_config is not None and bool(getattr(model_config, "use_mla", False))
+        keep = (dsv4 and "dsv4" in _active) or (mla and "mla-prefix" in _active)
         sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
         before = (sched.enable_chunked_prefill, cache.enable_prefix_caching, sched.max_num_batched_tokens)
         orig(cls_, vllm_config)
-        if dsv4 and (sched.enable_chunked_prefill, cache.enable_prefix_caching) != before[:2]:
+        if keep and (sched.enable_chunked_prefill, cache.enable_prefix_caching) != before[:2]:
             sched.enable_chunked_prefill, cache.enable_prefix_caching, sched.max_num_batched_tokens = before
 
     cls.check_and_update_config = classmethod(check_and_update_config)
@@ -71,11 +73,15 @@ def _patch_cpu_mla(mod) -> None:
     cls.build_tile_scheduler = build_tile_scheduler
 
 
-PATCHES: dict[str, Callable] = {
-    "vllm.triton_utils.importing": _patch_triton,
-    "vllm.platforms.cpu": _patch_cpu_platform,
-    "vllm.models.deepseek_v4.cpu.cpu_mla": _patch_cpu_mla,
-}
+# What each set patches: "dsv4" all three workarounds (DeepSeek-V4's prefix caching kept); "mla-prefix" only (b),
+# for any MLA model: a baseline engine whose own prefix hit is the same computation as a connector's hit.
+SETS: dict[str, dict[str, Callable]] = {
+    "dsv4": {"vllm.triton_utils.importing": _patch_triton, "vllm.platforms.cpu": _patch_cpu_platform,
+             "vllm.models.deepseek_v4.cpu.cpu_mla": _patch_cpu_mla},
+    "mla-prefix": {"vllm.platforms.cpu": _patch_cpu_platform},
+}  # fmt: skip
+PATCHES: dict[str, Callable] = {}
+_active: set[str] = set()
 
 
 class _PatchingLoader(importlib.abc.Loader):
@@ -105,17 +111,23 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
         return None
 
 
-def install() -> None:
-    """Apply the three workarounds in this process (idempotent) and in every Python process it starts."""
+def install(which: str = "dsv4") -> None:
+    """Apply a set of workarounds (``SETS``: "dsv4", the three; "mla-prefix", prefix caching kept for MLA models)
+    in this process (idempotent) and in every Python process it starts."""
     global _installed
-    os.environ["TRITON_INTERPRET"] = "1"
-    os.environ[ENV_FLAG] = "1"
+    if which not in SETS:
+        raise ValueError(f"unknown workaround set {which!r}; known: {sorted(SETS)}")
+    if which == "dsv4":
+        os.environ["TRITON_INTERPRET"] = "1"
+    os.environ[ENV_FLAG] = which
     pp = os.environ.get("PYTHONPATH", "")
     if str(SITE_DIR) not in pp.split(os.pathsep):
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE_DIR), pp) if p)
     if _installed:
         return
     _installed = True
+    _active.add(which)
+    PATCHES.update(SETS[which])
     for name, patch in PATCHES.items():
         if name in sys.modules:  # already imported: patch in place (too late for triton's choice)
             if name == "vllm.triton_utils.importing":

