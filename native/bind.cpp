@@ -10,6 +10,17 @@ using namespace tkv;
 
 namespace {
 
+// (start, length) pairs as an int64 array of shape (r, 2).
+py::array_t<i64> runs_array(const std::vector<std::pair<i64, i64>>& runs) {
+    py::array_t<i64> out({static_cast<py::ssize_t>(runs.size()), static_cast<py::ssize_t>(2)});
+    i64* o = out.mutable_data();
+    for (size_t i = 0; i < runs.size(); ++i) {
+        o[2 * i] = runs[i].first;
+        o[2 * i + 1] = runs[i].second;
+    }
+    return out;
+}
+
 u64 seed_word(const py::bytes& seeds, int i) {
     std::string s = seeds;
     if (s.size() < 8 * static_cast<size_t>(i + 1)) raise(Err::Tier, "core seeds must be 32 bytes");
@@ -208,6 +219,31 @@ PYBIND11_MODULE(_core, m) {
         .def("ghost_sizes", [](const Domain& d) { return py::make_tuple(d.policy.ghosts().size(0), d.policy.ghosts().size(1)); })
         .def_property_readonly("nbytes", &Domain::nbytes);
 
+    // The free-slot allocator on its own (free_runs.hpp), for its property tests.
+    py::class_<FreeRuns>(m, "FreeRuns")
+        .def(py::init([](i64 n) {
+            if (n < 0 || n > MAX_SLOTS) raise(Err::Tier, "free runs need 0 .. " + S(MAX_SLOTS) + " slots, got " + S(n));
+            return new FreeRuns(n);
+        }))
+        .def_property_readonly("count", &FreeRuns::count)
+        .def_property_readonly("num_runs", &FreeRuns::num_runs)
+        .def_property_readonly("nbytes", &FreeRuns::nbytes)
+        .def("runs", [](const FreeRuns& f) { return runs_array(f.runs()); })
+        .def("take", [](FreeRuns& f, i64 m) {
+            if (m < 0 || m > f.count()) raise(Err::Tier, "take(" + S(m) + ") of " + S(f.count()) + " free slots");
+            std::vector<i64> out(static_cast<size_t>(m));
+            f.take(m, out.data());
+            return i64_array(out.data(), m);
+        })
+        .def("give", [](FreeRuns& f, py::handle s) {
+            std::vector<i64> v = s.cast<std::vector<i64>>();
+            f.give(v.data(), static_cast<i64>(v.size()));
+        })
+        .def("check_invariants", [](const FreeRuns& f) {
+            std::vector<u8> is_free(static_cast<size_t>(f.size()), 0);
+            f.check(is_free.data(), "free runs");
+        });
+
     py::class_<Tier>(m, "Tier")
         .def(py::init([](const std::string& name, i64 n, int kb, int kind, const py::bytes& seeds, double start,
                          double low, double high) {
@@ -220,6 +256,7 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("num_slots", &Tier::num_slots)
         .def_property_readonly("key_bytes", [](const Tier& t) { return t.keys().key_bytes(); })
         .def_property_readonly("free_count", &Tier::free_count)
+        .def("free_runs", [](const Tier& t) { return runs_array(t.free_runs()); })
         .def_property_readonly("n_ready", &Tier::n_ready)
         .def_property_readonly("n_reserved", &Tier::n_reserved)
         .def_property_readonly("n_ready_pinned", &Tier::n_ready_pinned)

@@ -1,4 +1,4 @@
-// One tier's bookkeeping: key -> slot, slot states, pins, the free stack, the policy and the cold list.
+// One tier's bookkeeping: key -> slot, slot states, pins, the free runs, the policy and the cold list.
 //
 // States: FREE -> RESERVED (a copy into the slot is in flight) -> READY (servable; in the policy's
 // lists or the cold list) -> FREE. A READY slot with pins > 0 is never evicted. The cold list holds
@@ -9,6 +9,7 @@
 #include <algorithm>
 
 #include "domain.hpp"
+#include "free_runs.hpp"
 #include "keytable.hpp"
 
 namespace tkv {
@@ -44,10 +45,7 @@ public:
     Tier(std::string name, i64 n, int key_bytes, Kind kind, const u64 seeds[4], double start, double low, double high)
         : name_(std::move(name)), n_(n), keys_(n, key_bytes, seeds[0], seeds[1], seeds[2]), state_(n, FREE),
           pins_(n, 0), free_(n), lists_(n),
-          policy_(kind, n, lists_, keys_.hashes(), seeds[3], start, low, high) {
-        for (i64 i = 0; i < n; ++i) free_[i] = static_cast<i32>(n - 1 - i);  // popped from the end: ascending
-        nfree_ = n;
-    }
+          policy_(kind, n, lists_, keys_.hashes(), seeds[3], start, low, high) {}
 
     const std::string& name() const { return name_; }
     i64 num_slots() const { return n_; }
@@ -63,7 +61,8 @@ public:
     std::shared_ptr<const void> share_pins() const { return pins_.share(); }
     u8 state(i64 s) const { return state_[s]; }
     u16 pins(i64 s) const { return pins_[s]; }
-    i64 free_count() const { return nfree_; }
+    i64 free_count() const { return free_.count(); }
+    std::vector<std::pair<i64, i64>> free_runs() const { return free_.runs(); }
     i64 n_ready() const { return n_ready_; }
     i64 n_reserved() const { return n_reserved_; }
     i64 n_ready_pinned() const { return n_ready_pinned_; }
@@ -72,7 +71,7 @@ public:
     i64 cold_size() const { return lists_.size(COLD); }
     bool in_cold(i64 s) const { return lists_.lid(s) == COLD; }
     size_t nbytes() const {
-        return keys_.nbytes() + state_.size() + pins_.size() * sizeof(u16) + free_.size() * sizeof(i32) +
+        return keys_.nbytes() + state_.size() + pins_.size() * sizeof(u16) + free_.nbytes() +
                lists_.nbytes() + policy_.nbytes() + (dom_ && level_ == 0 ? dom_->nbytes() : 0);
     }
 
@@ -82,13 +81,17 @@ public:
     }
 
     // Free slots for the leading keys that fit (absent and distinct), RESERVED, ascending; how many.
+    // The slots are the longest free runs (free_runs.hpp): as few runs of consecutive slots as can be.
     i64 reserve(const u8* const* keys, i64 m, i64* out) {
-        i64 take = std::min(m, nfree_);
+        i64 take = std::min(m, free_.count());
         if (take == 0) return 0;
-        for (i64 i = 0; i < take; ++i) out[i] = free_[nfree_ - 1 - i];  // the stack's top is its smallest
-        std::sort(out, out + take);
-        insert_keys(keys, out, take, "insert");
-        nfree_ -= take;
+        free_.take(take, out);
+        try {
+            insert_keys(keys, out, take, "insert");
+        } catch (...) {  // the runs go back as they were (they are a function of the free slots)
+            free_.give(out, take);
+            throw;
+        }
         for (i64 i = 0; i < take; ++i) state_[out[i]] = RESERVED;
         n_reserved_ += take;
         return take;
@@ -289,9 +292,7 @@ public:
         }
         n_ready_ = m;
         policy_insert(s, m);
-        nfree_ = 0;
-        for (i64 x = n_ - 1; x >= 0; --x)
-            if (!used[static_cast<size_t>(x)]) free_[nfree_++] = static_cast<i32>(x);
+        free_.reset(used.data());
     }
 
     // prepare_store for a tier with nothing below it (no spill), as one call: which keys are new
@@ -327,7 +328,7 @@ public:
         // All or nothing: whatever can refuse the call (pinning the held blocks) is checked before
         // the reservation, which no plan would own if a later step threw.
         std::vector<i64> held;  // the chain's resident blocks: never evicted for its own new ones
-        if (m > nfree_) {
+        if (m > free_.count()) {
             for (i64 i = 0; i < n; ++i)
                 if (resident[i]) held.push_back(found[i]);
             for (i64 j = 0; j < np; ++j) {
@@ -338,7 +339,7 @@ public:
             held.erase(std::unique(held.begin(), held.end()), held.end());
             check_pinnable(held.data(), static_cast<i64>(held.size()));
         }
-        slots.assign(static_cast<size_t>(std::min(m, nfree_)), 0);
+        slots.assign(static_cast<size_t>(std::min(m, free_.count())), 0);
         i64 got = reserve(fresh.data(), m, slots.data());
         slots.resize(static_cast<size_t>(got));
         if (got == m) return;
@@ -415,11 +416,7 @@ public:
     // Raises unless every slot is accounted for exactly once.
     void check() const {
         std::vector<u8> is_free(static_cast<size_t>(n_), 0);
-        for (i64 i = 0; i < nfree_; ++i) {
-            i64 s = free_[i];
-            if (s < 0 || s >= n_ || is_free[s]) fail(Err::Tier, name_ + ": a slot is on the free list twice");
-            is_free[s] = 1;
-        }
+        free_.check(is_free.data(), name_);
         i64 ready = 0, reserved = 0, pinned_ready = 0;
         for (i64 s = 0; s < n_; ++s) {
             u8 st = state_[s];
@@ -630,7 +627,7 @@ public:
                 continue;
             }
             i64 d = -1;
-            if (below->nfree_ > 0) {
+            if (below->free_.count() > 0) {
                 below->reserve(&key, 1, &d);
             } else {
                 PinView bpins{reinterpret_cast<const u8*>(below->pins_.data()), 2};
@@ -732,21 +729,19 @@ private:
             throw;
         }
     }
-    // Undo the last reserve() of these m slots (nothing happened since): keys out, FREE, and back on
-    // the free stack's top in the order reserve() popped them (the stack's entries are still there).
+    // Undo the last reserve() of these m slots (nothing happened since): keys out, FREE, and back in
+    // the free runs, which are then as reserve() found them (runs are maximal: one set, one map).
     void unreserve(const i64* s, i64 m) {
         for (i64 i = 0; i < m; ++i) {
             keys_.remove(s[i]);
             state_[s[i]] = FREE;
         }
         n_reserved_ -= m;
-        nfree_ += m;
+        free_.give(s, m);
     }
     void push_free(const i64* s, i64 m) {
-        if (nfree_ + m > n_) fail(Err::Tier, name_ + ": more slots freed than exist");
-        std::vector<i64> sorted(s, s + m);
-        std::sort(sorted.begin(), sorted.end());  // pushed descending, so they pop ascending again
-        for (i64 i = m - 1; i >= 0; --i) free_[nfree_++] = static_cast<i32>(sorted[i]);
+        if (free_.count() + m > n_) fail(Err::Tier, name_ + ": more slots freed than exist");
+        free_.give(s, m);
     }
 
     std::string name_;
@@ -754,8 +749,7 @@ private:
     KeyTable keys_;
     SharedArray<u8> state_;  // the state and pins views share these
     SharedArray<u16> pins_;
-    std::vector<i32> free_;
-    i64 nfree_ = 0;
+    FreeRuns free_;
     Lists lists_;
     Policy policy_;
     Domain* dom_ = nullptr;  // the hierarchy's policy, when the tier is part of one
