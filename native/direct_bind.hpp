@@ -113,6 +113,7 @@ inline void bind_direct(py::module_& m) {
     f.def("hold", [](u64 s, bool held) { py::gil_scoped_release u; fake::hold(reinterpret_cast<cu::CUstream>(s), held); }, py::arg("stream"), py::arg("held") = true);
     f.def("step", [](u64 s, long long records) { py::gil_scoped_release u; fake::step(reinterpret_cast<cu::CUstream>(s), records); }, py::arg("stream"), py::arg("records") = 1);
     f.def("fail_batches", [](int n) { std::lock_guard<std::mutex> l(fake::device().mu); fake::device().fail_batches = n; });
+    f.def("move_bytes", [](bool on) { std::lock_guard<std::mutex> l(fake::device().mu); fake::device().move_bytes = on; });
     f.def("counts", []() { std::lock_guard<std::mutex> l(fake::device().mu); return fake::device().counts; });
     f.def("reset_counts", []() { std::lock_guard<std::mutex> l(fake::device().mu); fake::device().counts.clear(); });
     f.def("live", []() {  // (events, streams) not destroyed yet: a closed engine leaves none of its own

@@ -44,6 +44,7 @@ struct Device {
     std::set<Stream*> streams;
     std::map<std::string, long long> counts;
     int fail_batches = 0;  // the next N batch calls fail (CUDA_ERROR_INVALID_VALUE)
+    bool move_bytes = true;  // false: copies are counted, not executed (host-overhead timing)
 
     // Run every runnable op of every stream (lock held). A wait blocks its stream until its record ran.
     void pump() {
@@ -55,7 +56,7 @@ struct Device {
                     Op& op = s->ops.front();
                     if (op.kind == Op::Wait && op.event->completed < op.gen) break;
                     if (s->held && s->budget <= 0) break;
-                    if (op.kind == Op::Copy) std::memcpy(reinterpret_cast<void*>(op.dst), reinterpret_cast<void*>(op.src), op.bytes);
+                    if (op.kind == Op::Copy && move_bytes) std::memcpy(reinterpret_cast<void*>(op.dst), reinterpret_cast<void*>(op.src), op.bytes);
                     if (op.kind == Op::Record) {
                         op.event->completed = std::max(op.event->completed, op.gen);
                         if (s->held) --s->budget;

@@ -119,6 +119,12 @@ class DirectCopyEngine(CopyEngine):
         """The raw copy stream of one direction (tests hold it on the fake driver)."""
         return int(self._copier.stream(_STORE if direction is Direction.STORE else _LOAD))
 
+    def stream(self, direction: Direction) -> torch.cuda.Stream:
+        """The copy stream of one direction as a torch stream (real driver only: profiling and tests)."""
+        if self._fake:
+            raise TransferError("the fake driver's streams are not CUDA streams: use stream_handle")
+        return torch.cuda.ExternalStream(self.stream_handle(direction), device=self._device)
+
     def last_descriptors(self, direction: Direction) -> int:
         """Descriptors the last call of ``direction`` issued (one per run and dense region)."""
         return int(self._copier.last_descriptors(_STORE if direction is Direction.STORE else _LOAD))
