@@ -2,6 +2,7 @@
 #include <pybind11/stl.h>
 
 #include "convert.hpp"
+#include "direct_bind.hpp"
 #include "policy_core.hpp"
 #include "rows.hpp"
 #include "tier.hpp"
@@ -553,4 +554,6 @@ PYBIND11_MODULE(_core, m) {
         .def_property_readonly("nbytes", [](const PolicyCore& c) { return c.lists.nbytes() + c.policy.nbytes(); })
         .def_property_readonly("ghost_nbytes", [](const PolicyCore& c) { return c.policy.nbytes(); })
         .def("check_invariants", [](const PolicyCore& c) { c.lists.check(); c.policy.ghosts().check(); });
+
+    bind_direct(m);  // the direct copy road (issue 46): native/direct_bind.hpp
 }

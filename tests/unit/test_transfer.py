@@ -13,17 +13,28 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tiered_kv.core import core
 from tiered_kv.errors import ConfigError, LayoutError, TransferError
 from tiered_kv.layout import KVLayout
 from tiered_kv.tiers.cpu import CpuSlabs
 from tiered_kv.transfer import CopyEngine, HostCopyEngine, make_engine
+from tiered_kv.transfer.engines.base import Direction
 from tiered_kv.transfer.engines.bridge import EventBridge
+from tiered_kv.transfer.engines.direct import DirectCopyEngine
 from tiered_kv.transfer.engines.staged import Staging, enqueue_load, enqueue_store, gpu_groups, host_slabs
 
+fake_cuda = core.fake_cuda
 BLOCK_BYTES = (4096, 300, 64)
 NUM_BLOCKS = 40
 NUM_SLOTS = 32
-ENGINES = ["host", pytest.param("cuda", marks=pytest.mark.gpu)]
+# direct-fake: the direct road's engine (transfer/engines/direct.py) over the native fake CUDA driver.
+ENGINES = ["host", "direct-fake", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def build(kind: str, gpu, cpu):
+    if kind == "direct-fake":
+        return DirectCopyEngine(gpu, cpu, driver="fake:13000")
+    return make_engine(kind, gpu, cpu)
 
 
 def make_regions(kind: str, block_bytes=BLOCK_BYTES, num_blocks=NUM_BLOCKS, num_slots=NUM_SLOTS, seed=0):
@@ -43,7 +54,7 @@ def snapshot(regions):
 @pytest.fixture(params=ENGINES)
 async def rig(request):
     gpu, cpu = make_regions(request.param)
-    engine = make_engine(request.param, gpu, cpu)
+    engine = build(request.param, gpu, cpu)
     yield engine, gpu, cpu
     await engine.aclose()
 
@@ -187,6 +198,10 @@ def hold_copies(kind: str, engine):
         gated = GatedRows(engine._rows)
         engine._rows = gated
         return None, gated.gate.set
+    if kind == "direct-fake":  # the fake driver's copy stream runs nothing until released
+        stream = engine.stream_handle(Direction.STORE)
+        fake_cuda.hold(stream)
+        return None, lambda: fake_cuda.hold(stream, False)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU clocks: far past the cancel below
@@ -200,7 +215,7 @@ async def test_cancelling_the_waiter_does_not_cancel_the_copy(kind):
     gpu, cpu = make_regions(kind, block_bytes=(1 << 20,), num_blocks=24, num_slots=24)
     gpu_before = snapshot(gpu)
     gpu_ids, slots = list(range(23, -1, -1)), list(range(24))
-    async with make_engine(kind, gpu, cpu) as engine:
+    async with build(kind, gpu, cpu) as engine:
         compute, release = hold_copies(kind, engine)
         handle = engine.submit_store(gpu_ids, slots, compute=compute)
 
