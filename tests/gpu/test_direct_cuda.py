@@ -41,7 +41,7 @@ async def test_the_real_driver_round_trips_scattered_blocks(layout):
     rng = np.random.default_rng(3)
     g = rng.choice(gpu[0].shape[0], 32, replace=False)
     s = rng.choice(cpu[0].shape[0], 32, replace=False)
-    async with cuda_engine(gpu, cpu, dma_rows=16) as engine:
+    async with cuda_engine(gpu, cpu, dma_rows=16, copy_path="direct") as engine:
         assert isinstance(engine, DirectCopyEngine) and engine.copy_path == "direct"
         expect = [t[torch.from_numpy(g).cuda()].cpu() for t in gpu]
         await engine.submit_store(g, s)
@@ -57,7 +57,7 @@ async def test_the_real_driver_round_trips_scattered_blocks(layout):
 @pytest.mark.parametrize("compute", ["current-stream", "stream", "event", "generic-event"])
 async def test_a_store_reads_what_a_slow_writer_wrote(compute):
     gpu, cpu = packed(num_blocks=8, num_slots=8)
-    async with cuda_engine(gpu, cpu) as engine:
+    async with cuda_engine(gpu, cpu, copy_path="direct") as engine:
         writer = torch.cuda.current_stream() if compute == "current-stream" else torch.cuda.Stream()
         with torch.cuda.stream(writer):
             torch.cuda._sleep(SPIN_CYCLES)
@@ -79,7 +79,7 @@ async def test_host_time_per_submit_and_round_trip():
     """64 scattered blocks of one packed 512 KiB region: prints host us per submit and per round trip."""
     gpu, cpu = packed(num_blocks=256, num_slots=256)
     rng = np.random.default_rng(0)
-    async with cuda_engine(gpu, cpu) as engine:
+    async with cuda_engine(gpu, cpu, copy_path="direct") as engine:
         submit_us, trip_us = [], []
         for _ in range(200):
             g, s = rng.choice(256, 64, replace=False), rng.choice(256, 64, replace=False)

@@ -63,16 +63,21 @@ def make_engine(
     raise ConfigError(f"transfer engine kind must be one of {', '.join(ENGINE_KINDS)}; got {kind!r}")
 
 
+# "auto" picks the direct road only once a GPU run has measured it (issue 46): until then it is opt-in,
+# ``copy_path="direct"`` or ``TIERED_KV_COPY_PATH=direct``, and never runs untested in front of users.
+AUTO_DIRECT = False
+
+
 def cuda_engine(
     gpu_regions: Sequence[torch.Tensor], cpu_regions: Sequence[torch.Tensor], *, dma_rows: int | None = None,
     copy_path: str = "auto",
 ) -> CopyEngine:  # fmt: skip
     """The CUDA engine for these regions, its copy path chosen once here (``engine.copy_path``).
 
-    ``direct`` (direct.py) where every GPU region goes straight to the slab (one region per block id, or
-    rows of at least 1 MiB), else ``CUDAStreamEngine`` and its paths, exactly as before. ``copy_path``
-    (or ``$TIERED_KV_COPY_PATH`` when it is "auto") may force ``direct`` (any layout with adjacent bytes
-    per row) or name one of the CUDA stream engine's paths.
+    ``direct`` (direct.py): every GPU region straight to the slab (one region per block id, or rows of at least
+    1 MiB); chosen by "auto" only when ``AUTO_DIRECT`` (off until measured on a GPU). Else ``CUDAStreamEngine``
+    and its paths, exactly as before. ``copy_path`` (or ``$TIERED_KV_COPY_PATH`` when it is "auto") may force
+    ``direct`` (any layout with adjacent bytes per row) or name one of the CUDA stream engine's paths.
     """
     requested = copy_path if copy_path != "auto" else (os.environ.get(PATH_ENV, "") or "auto")
     if requested == "direct":
@@ -80,7 +85,7 @@ def cuda_engine(
             raise ConfigError("copy path 'direct' needs GPU rows whose bytes are adjacent and CPU slab rows "
                               "it can address; use auto")  # fmt: skip
         return DirectCopyEngine(gpu_regions, cpu_regions, dma_rows=dma_rows)
-    if requested == "auto" and direct_eligible(gpu_regions, cpu_regions):
+    if requested == "auto" and AUTO_DIRECT and direct_eligible(gpu_regions, cpu_regions):
         try:
             return DirectCopyEngine(gpu_regions, cpu_regions, dma_rows=dma_rows)
         except TransferError as exc:  # e.g. a driver without an entry the copier needs: the staged paths
