@@ -1,4 +1,4 @@
-// One tier's bookkeeping: key -> slot, slot states, pins, the free stack, the policy and the cold list.
+// One tier's bookkeeping: key -> slot, slot states, pins, the free runs, the policy and the cold list.
 //
 // States: FREE -> RESERVED (a copy into the slot is in flight) -> READY (servable; in the policy's
 // lists or the cold list) -> FREE. A READY slot with pins > 0 is never evicted. The cold list holds
@@ -9,6 +9,7 @@
 #include <algorithm>
 
 #include "domain.hpp"
+#include "free_runs.hpp"
 #include "keytable.hpp"
 
 namespace tkv {
@@ -44,10 +45,7 @@ public:
     Tier(std::string name, i64 n, int key_bytes, Kind kind, const u64 seeds[4], double start, double low, double high)
         : name_(std::move(name)), n_(n), keys_(n, key_bytes, seeds[0], seeds[1], seeds[2]), state_(n, FREE),
           pins_(n, 0), free_(n), lists_(n),
-          policy_(kind, n, lists_, keys_.hashes(), seeds[3], start, low, high) {
-        for (i64 i = 0; i < n; ++i) free_[i] = static_cast<i32>(n - 1 - i);  // popped from the end: ascending
-        nfree_ = n;
-    }
+          policy_(kind, n, lists_, keys_.hashes(), seeds[3], start, low, high) {}
 
     const std::string& name() const { return name_; }
     i64 num_slots() const { return n_; }
@@ -63,7 +61,8 @@ public:
     std::shared_ptr<const void> share_pins() const { return pins_.share(); }
     u8 state(i64 s) const { return state_[s]; }
     u16 pins(i64 s) const { return pins_[s]; }
-    i64 free_count() const { return nfree_; }
+    i64 free_count() const { return free_.count(); }
+    std::vector<std::pair<i64, i64>> free_runs() const { return free_.runs(); }
     i64 n_ready() const { return n_ready_; }
     i64 n_reserved() const { return n_reserved_; }
     i64 n_ready_pinned() const { return n_ready_pinned_; }
@@ -72,7 +71,7 @@ public:
     i64 cold_size() const { return lists_.size(COLD); }
     bool in_cold(i64 s) const { return lists_.lid(s) == COLD; }
     size_t nbytes() const {
-        return keys_.nbytes() + state_.size() + pins_.size() * sizeof(u16) + free_.size() * sizeof(i32) +
+        return keys_.nbytes() + state_.size() + pins_.size() * sizeof(u16) + free_.nbytes() +
                lists_.nbytes() + policy_.nbytes() + (dom_ && level_ == 0 ? dom_->nbytes() : 0);
     }
 
@@ -82,13 +81,17 @@ public:
     }
 
     // Free slots for the leading keys that fit (absent and distinct), RESERVED, ascending; how many.
+    // The slots are the longest free runs (free_runs.hpp): as few runs of consecutive slots as can be.
     i64 reserve(const u8* const* keys, i64 m, i64* out) {
-        i64 take = std::min(m, nfree_);
+        i64 take = std::min(m, free_.count());
         if (take == 0) return 0;
-        for (i64 i = 0; i < take; ++i) out[i] = free_[nfree_ - 1 - i];  // the stack's top is its smallest
-        std::sort(out, out + take);
-        insert_keys(keys, out, take, "insert");
-        nfree_ -= take;
+        free_.take(take, out);
+        try {
+            insert_keys(keys, out, take, "insert");
+        } catch (...) {  // the runs go back as they were (they are a function of the free slots)
+            free_.give(out, take);
+            throw;
+        }
         for (i64 i = 0; i < take; ++i) state_[out[i]] = RESERVED;
         n_reserved_ += take;
         return take;
@@ -269,30 +272,7 @@ public:
     }
 
     // Blocks recovered from persistent storage, oldest first, into an empty index.
-    void restore(const u8* const* keys, const i64* s, i64 m) {
-        live("restore");
-        if (n_ready_ || n_reserved_) fail(Err::Tier, name_ + ": restore needs an empty index");
-        for (i64 i = 0; i < m; ++i)
-            if (s[i] < 0 || s[i] >= n_) fail(Err::Tier, name_ + ": recovered slots are out of range or used twice");
-        {
-            std::vector<i64> sorted(s, s + m);
-            std::sort(sorted.begin(), sorted.end());
-            if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
-                fail(Err::Tier, name_ + ": recovered slots are out of range or used twice");
-        }
-        std::vector<i64> slots(s, s + m);
-        insert_keys(keys, slots.data(), m, "insert");
-        std::vector<u8> used(static_cast<size_t>(n_), 0);
-        for (i64 i = 0; i < m; ++i) {
-            state_[s[i]] = READY;
-            used[static_cast<size_t>(s[i])] = 1;
-        }
-        n_ready_ = m;
-        policy_insert(s, m);
-        nfree_ = 0;
-        for (i64 x = n_ - 1; x >= 0; --x)
-            if (!used[static_cast<size_t>(x)]) free_[nfree_++] = static_cast<i32>(x);
-    }
+    void restore(const u8* const* keys, const i64* s, i64 m);
 
     // prepare_store for a tier with nothing below it (no spill), as one call: which keys are new
     // (not READY, not in flight, not repeating an earlier key of the call), their reserved slots,
@@ -300,175 +280,25 @@ public:
     // blocks and its prefix's are pinned, and reassigned to them in ascending order. `evicted` gets
     // the victims' keys in eviction order; `counts` = {deduped, in_flight}.
     void plan_store(const u8* const* keys, i64 n, const u8* const* prefix, i64 np, std::vector<i64>& new_idx,
-                    std::vector<i64>& slots, std::vector<u8>& evicted, i64 counts[2]) {
-        const int kb = keys_.key_bytes();
-        std::vector<i64> found(static_cast<size_t>(n));
-        std::vector<u8> resident(static_cast<size_t>(n), 0), repeated(static_cast<size_t>(n), 0);
-        i64 deduped = 0, in_flight = 0;
-        Seen seen(n);
-        new_idx.clear();
-        for (i64 i = 0; i < n; ++i) {
-            u64 h = keys_.hash(keys[i]);
-            i64 s = keys_.find_h(keys[i], h);
-            found[i] = s;
-            resident[i] = s >= 0 && state_[s] == READY;
-            bool pending = s >= 0 && state_[s] == RESERVED;
-            repeated[i] = seen.add(keys, i, h, kb);
-            deduped += resident[i] || repeated[i];
-            in_flight += pending && !repeated[i];
-            if (!(resident[i] || pending || repeated[i])) new_idx.push_back(i);
-        }
-        counts[0] = deduped;
-        counts[1] = in_flight;
-        i64 m = static_cast<i64>(new_idx.size());
-        std::vector<const u8*> fresh(static_cast<size_t>(m));
-        for (i64 j = 0; j < m; ++j) fresh[j] = keys[new_idx[j]];
-        evicted.clear();
-        // All or nothing: whatever can refuse the call (pinning the held blocks) is checked before
-        // the reservation, which no plan would own if a later step threw.
-        std::vector<i64> held;  // the chain's resident blocks: never evicted for its own new ones
-        if (m > nfree_) {
-            for (i64 i = 0; i < n; ++i)
-                if (resident[i]) held.push_back(found[i]);
-            for (i64 j = 0; j < np; ++j) {
-                i64 s = find_ready(prefix[j]);
-                if (s >= 0) held.push_back(s);
-            }
-            std::sort(held.begin(), held.end());
-            held.erase(std::unique(held.begin(), held.end()), held.end());
-            check_pinnable(held.data(), static_cast<i64>(held.size()));
-        }
-        slots.assign(static_cast<size_t>(std::min(m, nfree_)), 0);
-        i64 got = reserve(fresh.data(), m, slots.data());
-        slots.resize(static_cast<size_t>(got));
-        if (got == m) return;
-        pin(held.data(), static_cast<i64>(held.size()));
-        std::vector<i64> victims;
-        try {
-            evict(std::min(m - got, evictable()), victims);  // refuses with no change (evict)
-        } catch (...) {  // the reservation goes back exactly as it was taken: no slot RESERVED for no plan
-            unpin(held.data(), static_cast<i64>(held.size()));
-            unreserve(slots.data(), got);
-            slots.clear();
-            throw;
-        }
-        unpin(held.data(), static_cast<i64>(held.size()));
-        if (victims.empty()) return;
-        evicted.resize(victims.size() * static_cast<size_t>(kb));
-        for (size_t v = 0; v < victims.size(); ++v) std::memcpy(evicted.data() + v * kb, keys_.key_at(victims[v]), kb);
-        std::sort(victims.begin(), victims.end());
-        // Cannot refuse: the victims are READY, unpinned and out of every list, the keys absent and distinct.
-        reassign(victims.data(), static_cast<i64>(victims.size()), fresh.data() + got);
-        slots.insert(slots.end(), victims.begin(), victims.end());
-    }
+                    std::vector<i64>& slots, std::vector<u8>& evicted, i64 counts[2]);
 
     // prepare_load for a tier with nothing below it, as one call: the keys before the first repeat
     // (`cut`), their leading run of READY blocks (slots pinned, into `slots`), and whether the key
     // that ends the run is in flight (RESERVED).
-    bool plan_load(const u8* const* keys, i64 n, std::vector<i64>& slots, i64& cut) {
-        const int kb = keys_.key_bytes();
-        Seen seen(n);
-        slots.clear();
-        cut = n;
-        bool stopped = false, pending = false;
-        for (i64 i = 0; i < n; ++i) {
-            u64 h = keys_.hash(keys[i]);
-            if (seen.add(keys, i, h, kb)) {
-                cut = i;
-                break;
-            }
-            if (stopped) continue;
-            i64 s = keys_.find_h(keys[i], h);
-            if (s >= 0 && state_[s] == READY) {
-                slots.push_back(s);
-                continue;
-            }
-            stopped = true;
-            pending = s >= 0;  // a CPU entry that is not READY is RESERVED: in flight
-        }
-        pin(slots.data(), static_cast<i64>(slots.size()));
-        return pending;
-    }
+    bool plan_load(const u8* const* keys, i64 n, std::vector<i64>& slots, i64& cut);
 
     // The leading run of keys READY or in flight over this tier and `below` (may be null), stopping at
     // the first miss; counts[0..1] = how many of the run are READY here / READY below.
-    i64 leading_run(const Tier* below, const u8* const* keys, i64 n, i64 counts[2]) const {
-        counts[0] = counts[1] = 0;
-        for (i64 i = 0; i < n; ++i) {
-            i64 s = keys_.find(keys[i]);
-            if (s >= 0) {  // READY or RESERVED here: a hit either way
-                counts[0] += state_[s] == READY;
-                continue;
-            }
-            if (below) {
-                i64 x = below->keys_.find(keys[i]);
-                if (x >= 0) {
-                    counts[1] += below->state_[x] == READY;
-                    continue;
-                }
-            }
-            return i;
-        }
-        return n;
-    }
+    i64 leading_run(const Tier* below, const u8* const* keys, i64 n, i64 counts[2]) const;
 
     // Raises unless every slot is accounted for exactly once.
-    void check() const {
-        std::vector<u8> is_free(static_cast<size_t>(n_), 0);
-        for (i64 i = 0; i < nfree_; ++i) {
-            i64 s = free_[i];
-            if (s < 0 || s >= n_ || is_free[s]) fail(Err::Tier, name_ + ": a slot is on the free list twice");
-            is_free[s] = 1;
-        }
-        i64 ready = 0, reserved = 0, pinned_ready = 0;
-        for (i64 s = 0; s < n_; ++s) {
-            u8 st = state_[s];
-            if (is_free[s] != (st == FREE)) fail(Err::Tier, name_ + ": free list and FREE states disagree");
-            if (st == FREE && pins_[s]) fail(Err::Tier, name_ + ": a FREE slot is pinned");
-            if (keys_.held(s) != (st != FREE)) fail(Err::Tier, name_ + ": a slot's key and its state disagree");
-            ready += st == READY;
-            reserved += st == RESERVED;
-            pinned_ready += st == READY && pins_[s];
-            if ((lists_.lid(s) != NO_LIST) != (st == READY))
-                fail(Err::Tier, name_ + ": READY slots and the policy + cold lists disagree");
-        }
-        if (ready != n_ready_ || reserved != n_reserved_) fail(Err::Tier, name_ + ": state counts drifted");
-        if (pinned_ready != n_ready_pinned_)
-            fail(Err::Tier, name_ + ": pinned READY count drifted (" + S(n_ready_pinned_) + " vs " + S(pinned_ready) + ")");
-        lists_.check();
-        policy_.ghosts().check();
-        keys_.check();
-        if (!dom_) return;
-        live("check_invariants");
-        // The mirror and the domain's lists agree on this tier's nodes; a node outside the mirror is
-        // a block in flight down to this tier (RESERVED: its spill keeps its rank).
-        for (i64 x = 0; x < n_; ++x) {
-            u8 l = lists_.lid(x), g = dom_->lists.lid(node(x));
-            bool mirrored = l == T1 || l == T2;
-            if (mirrored ? g != l : (g != NO_LIST && state_[x] != RESERVED))
-                fail(Err::Tier, name_ + ": slot " + S(x) + " is in list " + S(l) + " here but " + S(g) + " in the hierarchy's policy");
-        }
-        if (level_ == 0) {
-            dom_->lists.check_range(0, dom_->split);
-            dom_->policy.ghosts().check();
-            dom_->history.check();
-        }
-    }
+    void check() const;
 
     // -- one policy over the hierarchy (domain.hpp) ------------------------------------------------
     // `cpu` and `disk` join `d` as its levels 0 and 1: both are checked before either changes, so a
     // refused attach leaves all three as they were. The binding ties the domain's lifetime to the
     // tiers'; a tier that goes first detaches (~Tier) and the other then refuses the domain's calls.
-    static void attach_pair(Domain& d, Tier& cpu, Tier& disk) {
-        if (&cpu == &disk) fail(Err::Tier, cpu.name_ + ": one tier cannot be both levels of a hierarchy");
-        if (cpu.keys_.key_bytes() != disk.keys_.key_bytes())
-            fail(Err::Tier, "a hierarchy's tiers need one key length: " + cpu.name_ + " has " + S(cpu.keys_.key_bytes()) +
-                                " bytes, " + disk.name_ + " " + S(disk.keys_.key_bytes()));
-        cpu.check_attach(d, 0);
-        disk.check_attach(d, 1);
-        cpu.attach(d, 0, &disk);
-        disk.attach(d, 1, &cpu);
-    }
+    static void attach_pair(Domain& d, Tier& cpu, Tier& disk);
     ~Tier() {
         if (!dom_) return;
         dom_->lost = true;  // the other tier refuses every call that reads the domain from now on
@@ -478,88 +308,25 @@ public:
     }
 
 private:
-    void check_attach(const Domain& d, int level) const {
-        if (dom_) fail(Err::Tier, name_ + ": the tier is already part of a hierarchy");
-        if (n_ready_ || n_reserved_)
-            fail(Err::Tier, name_ + ": a tier joins a hierarchy while empty (it holds " + S(n_ready_) + " READY and " +
-                                S(n_reserved_) + " RESERVED slots)");
-        if (d.attached[level]) fail(Err::Tier, name_ + ": the hierarchy already has a level " + S(level) + " tier");
-        if (d.lost) fail(Err::Tier, name_ + ": the hierarchy lost a tier");
-        i64 want = level == 0 ? d.split : static_cast<i64>(d.tags.size()) - d.split;
-        if (want != n_) fail(Err::Tier, name_ + ": the hierarchy has " + S(want) + " slots at level " + S(level) + ", the tier " + S(n_));
-    }
-    void attach(Domain& d, int level, Tier* other) {
-        dom_ = &d;
-        level_ = level;
-        base_ = level == 0 ? 0 : d.split;
-        other_ = other;
-        d.attached[level] = true;
-        d.pins.state[level] = state_.data();
-        d.pins.pins[level] = pins_.data();
-        d.pins.split = d.split;
-    }
+    void check_attach(const Domain& d, int level) const;
+    void attach(Domain& d, int level, Tier* other);
     // Refuses when the hierarchy's other tier was freed (its states, pins and keys are gone).
-    void live(const char* op) const {
-        if (dom_ && dom_->lost)
-            fail(Err::Tier, name_ + ": " + op + ": the hierarchy's other tier was freed; this tier cannot use the shared policy");
-    }
+    void live(const char* op) const;
 
 public:
     bool in_domain() const { return dom_ != nullptr; }
     const Domain* domain() const { return dom_; }
 
     // Policy insert of READY slots (the LAST most recent), through the hierarchy's policy when attached.
-    void policy_insert(const i64* s, i64 m) {
-        live("policy_insert");
-        expect(s, m, READY, "policy_insert");
-        distinct(s, m, "policy_insert");
-        for (i64 i = 0; i < m; ++i) {  // a slot in two lists (the cold list and the policy's) breaks both
-            if (lists_.lid(s[i]) != NO_LIST)
-                fail(Err::Tier, name_ + ": policy_insert of slot " + S(s[i]) + ", which is in list " + S(lists_.lid(s[i])) +
-                                    (lists_.lid(s[i]) == COLD ? " (the cold list)" : " (the policy's)"));
-            if (dom_ && dom_->lists.lid(node(s[i])) != NO_LIST)
-                fail(Err::Tier, name_ + ": policy_insert of slot " + S(s[i]) + ", which the hierarchy's policy already holds");
-        }
-        if (!dom_) return policy_.insert(s, m);
-        std::vector<i64> at(s, s + m);
-        for (i64 i = 0; i < m; ++i) {
-            at[i] = node(s[i]);
-            dom_->tags[static_cast<size_t>(at[i])] = keys_.hashes()[s[i]];
-        }
-        dom_->policy.insert(at.data(), m);
-        for (i64 i = 0; i < m; ++i) lists_.push_back(dom_->lists.lid(at[i]), s[i]);
-    }
+    void policy_insert(const i64* s, i64 m);
     // Up to n policy victims among this tier's blocks (unpinned, READY), out of the lists.
-    void policy_evict(i64 n, std::vector<i64>& out) {
-        out.clear();
-        live("policy_evict");
-        if (!dom_) {
-            PinView pins{reinterpret_cast<const u8*>(pins_.data()), 2};
-            policy_.evict(n, pins, out);
-            return;
-        }
-        domain_evict(n, n);
-        out = victims_;
-    }
+    void policy_evict(i64 n, std::vector<i64>& out);
 
     // References to keys no tier of the hierarchy holds (the engine's GPU has them): their history.
-    void note(const u8* const* keys, i64 m) {
-        if (!dom_) return;
-        live("note");
-        for (i64 i = 0; i < m; ++i) {
-            if (keys_.find(keys[i]) >= 0 || (other_ && other_->keys_.find(keys[i]) >= 0)) continue;
-            dom_->note(keys_.hash(keys[i]));
-        }
-    }
+    void note(const u8* const* keys, i64 m);
 
     // This tier's nodes in the hierarchy's eviction order (tests and debugging).
-    std::vector<i64> domain_order() const {
-        live("policy_order");
-        std::vector<i64> out;
-        for (i64 p : dom_->policy.order())
-            if ((p >= dom_->split) == (level_ == 1)) out.push_back(p - base_);
-        return out;
-    }
+    std::vector<i64> domain_order() const;
 
     // n CPU slots for new keys (level 0, attached): READY, unpinned, out of every list, to be reassigned.
     // Cold blocks go first (dropped). Then, one slot at a time: if the tier below can take a block (a free
@@ -571,191 +338,33 @@ public:
     // disk blocks that left, for the caller's events), dropped (the victims that left the CPU without a
     // spill: cold, clean moves, the hierarchy's victims); returns how many victims are clean moves.
     i64 make_room(i64 n, bool spill, std::vector<i64>& victims, std::vector<i64>& dropped, std::vector<i64>& spill_cpu,
-                  std::vector<i64>& spill_disk, std::vector<u8>& gone_disk) {
-        if (!dom_ || level_ != 0) fail(Err::Tier, name_ + ": make_room needs the CPU tier of a hierarchy");
-        live("make_room");
-        Tier* below = spill ? other_ : nullptr;
-        victims.clear();
-        dropped.clear();
-        spill_cpu.clear();
-        spill_disk.clear();
-        gone_disk.clear();
-        evicted_cold_ = 0;
-        n = std::min(n, evictable());
-        if (n <= 0) return 0;
-        PinView pins{reinterpret_cast<const u8*>(pins_.data()), 2};
-        if (lists_.size(COLD)) {
-            lists_.candidates(COLD, n, pins, victims);
-            for (i64 x : victims) lists_.unlink(x);
-        }
-        evicted_cold_ = static_cast<i64>(victims.size());
-        dropped = victims;
-        const int kb = keys_.key_bytes();
-        DomainPins all = dom_->pins;
-        all.only = -1;
-        i64 clean = 0;
-        while (static_cast<i64>(victims.size()) < n) {
-            i64 c = dom_->policy.next_in(lists_, pins);
-            if (c < 0) break;  // cannot happen (n <= evictable); the caller sees fewer
-            if (!below) {
-                lists_.unlink(c);
-                dom_->policy.evict_node(node(c));
-                victims.push_back(c);
-                dropped.push_back(c);
-                continue;
-            }
-            const u8* key = keys_.key_at(c);
-            i64 dup = below->find_ready(key);
-            if (dup < 0 && below->keys_.find(key) >= 0) dup = -2;  // RESERVED below: a copy in flight down
-            if (dup == -2 || (dup >= 0 && below->lists_.lid(dup) != COLD)) {
-                // The disk holds the key with a rank (or a copy in flight) of its own: reserving it there
-                // would refuse half way through this call, so the CPU block leaves as a clean drop (no
-                // ghost: its key stays in the hierarchy) and the copy below keeps its own rank.
-                lists_.unlink(c);
-                dom_->lists.unlink(node(c));
-                victims.push_back(c);
-                dropped.push_back(c);
-                ++clean;
-                continue;
-            }
-            if (dup >= 0) {  // a clean copy below (cold) takes the block's rank
-                lists_.unlink(c);
-                below->lists_.unlink(dup);
-                dom_->lists.replace(node(c), below->node(dup));
-                dom_->tags[static_cast<size_t>(below->node(dup))] = dom_->tags[static_cast<size_t>(node(c))];
-                below->lists_.push_back(dom_->lists.lid(below->node(dup)), dup);
-                victims.push_back(c);
-                dropped.push_back(c);
-                ++clean;
-                continue;
-            }
-            i64 d = -1;
-            if (below->nfree_ > 0) {
-                below->reserve(&key, 1, &d);
-            } else {
-                PinView bpins{reinterpret_cast<const u8*>(below->pins_.data()), 2};
-                d = below->lists_.first_unpinned(COLD, bpins);
-                if (d >= 0) {
-                    below->lists_.unlink(d);
-                } else {
-                    if (!dom_->policy.evict(1, all, one_)) break;  // nothing unpinned anywhere
-                    i64 p = one_[0];
-                    if (p < dom_->split) {  // a CPU block leaves: its slot is the room
-                        lists_.unlink(p);
-                        victims.push_back(p);
-                        dropped.push_back(p);
-                        continue;
-                    }
-                    d = p - dom_->split;
-                    below->lists_.unlink(d);
-                }
-                gone_disk.insert(gone_disk.end(), below->keys_.key_at(d), below->keys_.key_at(d) + kb);
-                below->reassign(&d, 1, &key);
-            }
-            lists_.unlink(c);
-            dom_->lists.replace(node(c), below->node(d));  // in flight down, keeping its rank
-            dom_->tags[static_cast<size_t>(below->node(d))] = dom_->tags[static_cast<size_t>(node(c))];
-            spill_cpu.push_back(c);
-            spill_disk.push_back(d);
-            victims.push_back(c);
-        }
-        return clean;
-    }
+                  std::vector<i64>& spill_disk, std::vector<u8>& gone_disk);
 
 private:
     i64 node(i64 s) const { return base_ + s; }
 
-    void commit_in_domain(const i64* s, i64 m) {
-        std::vector<i64> fresh;
-        fresh.reserve(static_cast<size_t>(m));
-        for (i64 i = 0; i < m; ++i) {
-            u8 g = dom_->lists.lid(node(s[i]));
-            if (g != NO_LIST) lists_.push_back(g, s[i]);  // a spill landed: it kept its rank
-            else if (level_ == 1 && other_ && other_->keys_.find(keys_.key_at(s[i])) >= 0)
-                lists_.push_back(COLD, s[i]);  // a copy of a block the CPU holds (written through)
-            else fresh.push_back(s[i]);
-        }
-        policy_insert(fresh.data(), static_cast<i64>(fresh.size()));
-    }
+    void commit_in_domain(const i64* s, i64 m);
 
     // n policy victims among this tier's blocks into victims_, out of both lists.
-    void domain_evict(i64 n, i64 asked) {
-        DomainPins only = dom_->pins;
-        only.only = level_;
-        if (!dom_->policy.evict(n, only, victims_))
-            fail(Err::Tier, name_ + ": evict(" + S(asked) + "): " + S(evictable()) + " evictable slots counted but fewer than " +
-                                S(n) + " found in the hierarchy's policy (victims of an earlier evict still outstanding?)");
-        for (i64& p : victims_) {
-            p -= base_;
-            lists_.unlink(p);
-        }
-    }
+    void domain_evict(i64 n, i64 asked);
 
     // Slots in range and in state `want`, and their keys agree (a RESERVED or READY slot holds one).
-    void expect(const i64* s, i64 m, u8 want, const char*) const {
-        for (i64 i = 0; i < m; ++i) {
-            if (s[i] < 0 || s[i] >= n_) fail(Err::Tier, name_ + ": slot " + S(s[i]) + " is outside [0, " + S(n_) + ")");
-            if (state_[s[i]] != want)
-                fail(Err::Tier, name_ + ": slot " + S(s[i]) + " is in state " + S(state_[s[i]]) + ", expected " + S(want));
-            if (keys_.held(s[i]) != (want != FREE))
-                fail(Err::Tier, name_ + ": slot " + S(s[i]) + " is in state " + S(want) + " but its key table disagrees");
-        }
-    }
-    void check_pinnable(const i64* s, i64 m) const {
-        for (i64 i = 0; i < m; ++i)
-            if (pins_[s[i]] == MAX_PINS) fail(Err::Tier, name_ + ": more than " + S(MAX_PINS) + " concurrent pins on one slot");
-    }
-    void distinct(const i64* s, i64 m, const char* op) const {
-        if (m < 2) return;
-        std::vector<i64> sorted(s, s + m);
-        std::sort(sorted.begin(), sorted.end());
-        auto rep = std::adjacent_find(sorted.begin(), sorted.end());
-        if (rep != sorted.end()) fail(Err::Tier, std::string(op) + ": slot " + S(*rep) + " appears twice in one batch");
-    }
+    void expect(const i64* s, i64 m, u8 want, const char*) const;
+    void check_pinnable(const i64* s, i64 m) const;
+    void distinct(const i64* s, i64 m, const char* op) const;
     // Insert keys[i] at slots[i] (slots empty): every key absent and distinct, else nothing changes.
-    void insert_keys(const u8* const* keys, const i64* slots, i64 m, const char* op) {
-        i64 done = 0;
-        try {
-            for (; done < m; ++done) {
-                const u8* k = keys[done];
-                u64 h = keys_.hash(k);
-                i64 at = keys_.find_h(k, h);
-                if (at >= 0) {
-                    bool ours = std::find(slots, slots + done, at) != slots + done;
-                    fail(Err::Tier, std::string(op) + " of key " + keys_.hex(k) + " into slot " + S(slots[done]) +
-                                        (ours ? ": the batch names it twice" : ": the key is already in slot " + S(at)));
-                }
-                keys_.insert_h(k, h, slots[done]);
-            }
-        } catch (...) {
-            for (i64 i = 0; i < done; ++i) keys_.remove(slots[i]);
-            throw;
-        }
-    }
-    // Undo the last reserve() of these m slots (nothing happened since): keys out, FREE, and back on
-    // the free stack's top in the order reserve() popped them (the stack's entries are still there).
-    void unreserve(const i64* s, i64 m) {
-        for (i64 i = 0; i < m; ++i) {
-            keys_.remove(s[i]);
-            state_[s[i]] = FREE;
-        }
-        n_reserved_ -= m;
-        nfree_ += m;
-    }
-    void push_free(const i64* s, i64 m) {
-        if (nfree_ + m > n_) fail(Err::Tier, name_ + ": more slots freed than exist");
-        std::vector<i64> sorted(s, s + m);
-        std::sort(sorted.begin(), sorted.end());  // pushed descending, so they pop ascending again
-        for (i64 i = m - 1; i >= 0; --i) free_[nfree_++] = static_cast<i32>(sorted[i]);
-    }
+    void insert_keys(const u8* const* keys, const i64* slots, i64 m, const char* op);
+    // Undo the last reserve() of these m slots (nothing happened since): keys out, FREE, and back in
+    // the free runs, which are then as reserve() found them (runs are maximal: one set, one map).
+    void unreserve(const i64* s, i64 m);
+    void push_free(const i64* s, i64 m);
 
     std::string name_;
     i64 n_;
     KeyTable keys_;
     SharedArray<u8> state_;  // the state and pins views share these
     SharedArray<u16> pins_;
-    std::vector<i32> free_;
-    i64 nfree_ = 0;
+    FreeRuns free_;
     Lists lists_;
     Policy policy_;
     Domain* dom_ = nullptr;  // the hierarchy's policy, when the tier is part of one
@@ -767,3 +376,6 @@ private:
 };
 
 }  // namespace tkv
+
+#include "tier_plans.hpp"  // restore, the one-call plans and the invariant check, defined out of the class
+#include "tier_domain.hpp"  // the hierarchy methods, likewise

@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
-"""End to end through TieredKVCache on a GPU, at two real geometries, for every copy path (issue 38).
+"""End to end through TieredKVCache on a GPU, at three real geometries, for every copy path (issues 38, 46).
 
 Geometries (2 MiB blocks: 16 tokens x 8 KV heads x 128 dims in bf16 = 32 KiB per layer's K or V):
 * llama8b: Llama-3.1-8B, 32 layers, K and V in allocations of their own (64 storages, 64 regions);
 * vllm032: vLLM 0.32's placement, every layer of the group cut from one backing allocation, as its
-  ``KVCacheTensor`` describes it (one storage, 64 regions, region-major).
-Per geometry and copy path (table, table-direct, groups: ``TIERED_KV_COPY_PATH``): 64-block calls with
+  ``KVCacheTensor`` describes it (one storage, 64 regions, region-major);
+* packed: a block-outermost layout (BLHNC, cross-layer blocks): one region, each block one 2 MiB row,
+  where ``auto`` takes the direct road (issue 46: batch descriptors, no kernel, no staging).
+Per geometry and copy path (direct, table, table-direct, groups: ``TIERED_KV_COPY_PATH``; ``direct`` is
+forced at the 32 KiB-region geometries too, for comparison): 64-block calls with
 scattered GPU ids, stores of fresh keys (each evicts once the tier is full), loads of resident keys, and
 stores beside loads at once; GB/s, and the ratio to one pinned DMA of the same bytes measured in the
 same run. After the timing, one stored and reloaded batch is checked byte for byte.
@@ -41,6 +44,8 @@ BATCH = 64
 def tensors(geometry: str, num_blocks: int) -> tuple[dict[str, torch.Tensor], int]:
     """The model's KV tensors and their block dim."""
     shape = (num_blocks, TOKENS, HEADS, DIM)
+    if geometry == "packed":  # every layer's K and V of a block in one row: one region of 2 MiB rows
+        return {"kv": torch.randn((num_blocks, 2 * LAYERS, TOKENS, HEADS, DIM), dtype=torch.bfloat16, device="cuda")}, 0
     if geometry == "llama8b":
         out = {}
         for i in range(LAYERS):
@@ -114,8 +119,9 @@ async def case(geometry: str, path: str, calls: int, num_blocks: int, cpu_calls:
 
 
 async def host_us(path: str, n_regions: int, calls: int = 30) -> dict:
-    """Host time on the loop thread per 64-block call (submit only, the copy runs on), 2 MiB blocks."""
-    from tiered_kv.transfer import CUDAStreamEngine
+    """Host time on the loop thread per 64-block call (submit only, the copy runs on), 2 MiB blocks; also the
+    round trip (submit to the future resolved) with one call in flight."""
+    from tiered_kv.transfer import cuda_engine
 
     nb, width = 256, BLOCK // n_regions
     gpu = [torch.zeros((nb, width), dtype=torch.uint8, device="cuda") for _ in range(n_regions)]
@@ -123,16 +129,19 @@ async def host_us(path: str, n_regions: int, calls: int = 30) -> dict:
     cpu = list(torch.split(slab, [width] * n_regions, dim=1))
     rng = np.random.default_rng(n_regions)
     out: dict = {"copy_path": path, "regions": n_regions}
-    async with CUDAStreamEngine(gpu, cpu, copy_path=path) as engine:
+    async with cuda_engine(gpu, cpu, copy_path=path) as engine:
+        out["copy_path"] = engine.copy_path
         for name in ("store", "load"):
-            times = []
+            times, trips = [], []
             for _ in range(calls + 2):
                 g, s = rng.permutation(nb)[:BATCH], rng.permutation(2 * BATCH)[:BATCH]
                 t0 = time.perf_counter()
                 h = engine.submit_store(g, s) if name == "store" else engine.submit_load(s, g)
                 times.append((time.perf_counter() - t0) * 1e6)
                 await h
+                trips.append((time.perf_counter() - t0) * 1e6)
             out[f"{name}_host_us"] = round(statistics.median(times[2:]), 1)
+            out[f"{name}_round_trip_us"] = round(statistics.median(trips[2:]), 1)
     return out
 
 
@@ -141,7 +150,7 @@ def main() -> int:
     p.add_argument("--json", required=True)
     p.add_argument("--calls", type=int, default=12)
     p.add_argument("--num-blocks", type=int, default=768)
-    p.add_argument("--paths", nargs="+", default=["table", "table-direct", "groups"])
+    p.add_argument("--paths", nargs="+", default=["direct", "table", "table-direct", "groups"])
     a = p.parse_args()
     if not torch.cuda.is_available():
         doc = {"dry_run": True, "cuda": False, "message": "no CUDA found: nothing was run"}
@@ -154,9 +163,9 @@ def main() -> int:
     dma = pinned_dma_gbps(BATCH * BLOCK)
     doc = {"dry_run": False, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": table_kernel.available(), "batch_blocks": BATCH, "pinned_dma_gbps": dma, "cases": []}  # fmt: skip
-    for geometry in ("llama8b", "vllm032"):
+    for geometry in ("llama8b", "vllm032", "packed"):
         for path in a.paths:
-            if path != "groups" and not table_kernel.available():
+            if path not in ("groups", "direct") and not table_kernel.available():
                 doc["cases"].append({"geometry": geometry, "copy_path": path, "skipped": "triton not importable"})
                 continue
             try:
@@ -172,8 +181,8 @@ def main() -> int:
             torch.cuda.empty_cache()
     doc["host_us_per_call"] = []
     for path in a.paths:
-        for n_regions in (8, 64, 128):
-            if path != "groups" and not table_kernel.available():
+        for n_regions in (1, 8, 64, 128):  # 1: the packed layout (the direct road's own case)
+            if path not in ("groups", "direct") and not table_kernel.available():
                 continue
             try:
                 row = asyncio.run(host_us(path, n_regions))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 log = logging.getLogger("tiered_kv")
@@ -18,6 +19,8 @@ DIRECTIONS = ("gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk", "disk_to_cpu", "cpu_to_
 # The remote tier's own per-operation results (the store counts them; the dispatcher counts directions).
 REMOTE_RESULTS = {"put": ("stored", "failed"), "get": ("hit", "miss", "corrupt", "failed"),
                   "exists": ("present", "absent", "failed")}
+# Runs of consecutive CPU slots per store plan: one copy (memcpy / DMA descriptor) per run.
+_RUN_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 _LATENCY_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -64,6 +67,11 @@ class CacheMetrics:
             d: (self.blocks.labels(d), self.bytes.labels(d), self.seconds.labels(d)) for d in DIRECTIONS
         }
         self.op_latency = {op: self.latency.labels(op) for op in ("load", "store")}
+        self.slot_runs = Histogram(
+            "tiered_kv_store_slot_runs", "Runs of consecutive CPU slots per store plan", buckets=_RUN_BUCKETS, registry=r
+        )
+        self.runs_per_call: dict[int, int] = {}  # runs -> store plans with that many (exact, for reports)
+        self.run_blocks = 0  # the slots of those plans
         self._drop_causes_logged: set[tuple[str, str]] = set()
 
     def track_used_slots(self, tier: str, used) -> None:
@@ -95,6 +103,15 @@ class CacheMetrics:
         nbytes_c.inc(nbytes)
         secs.inc(seconds)
 
+    def store_slots(self, slots: np.ndarray) -> None:
+        """A store plan's CPU slots (any order): count its runs of consecutive slots."""
+        if not len(slots):
+            return
+        n = slot_runs(slots)
+        self.slot_runs.observe(n)
+        self.runs_per_call[n] = self.runs_per_call.get(n, 0) + 1
+        self.run_blocks += len(slots)
+
     def snapshot(self) -> dict[str, float]:
         """Flat ``name{label}`` -> value, read from the registry (for stats() and reports)."""
         out: dict[str, float] = {}
@@ -109,3 +126,26 @@ class CacheMetrics:
     def serve(self, port: int, addr: str = "127.0.0.1"):
         """Expose /metrics on ``addr:port``; returns (server, thread)."""
         return start_http_server(port, addr=addr, registry=self.registry)
+
+
+def slot_runs(slots: np.ndarray) -> int:
+    """How many runs of consecutive slots ``slots`` (distinct, any order) form: 0 for none."""
+    if not len(slots):
+        return 0
+    return 1 + int(np.count_nonzero(np.diff(np.sort(slots)) != 1))
+
+
+def runs_summary(counts: dict[int, int], blocks: int = 0) -> dict[str, float | int | None]:
+    """Store plans, mean / p90 / max runs per plan and mean blocks per plan, from ``runs -> plans`` counts
+    and the plans' blocks (CacheMetrics.runs_per_call, run_blocks)."""
+    calls = sum(counts.values())
+    if not calls:
+        return {"calls": 0, "mean": None, "p90": None, "max": None, "blocks_mean": None}
+    at, seen, p90 = max(1, -(-9 * calls // 10)), 0, 0  # the ceil(0.9 n)-th smallest
+    for runs in sorted(counts):
+        seen += counts[runs]
+        if seen >= at:
+            p90 = runs
+            break
+    mean = sum(r * c for r, c in counts.items()) / calls
+    return {"calls": calls, "mean": mean, "p90": p90, "max": max(counts), "blocks_mean": blocks / calls}

@@ -33,7 +33,7 @@ def observe(t) -> tuple:
     """Every observable of one tier (works on both sides)."""
     held = np.flatnonzero(np.asarray(t.state) != FREE)
     keys = t.keys.keys_of(held)
-    return (t.free_count, t.n_ready, t.n_reserved, t.n_ready_pinned, t.evictable, np.asarray(t.state).tolist(),
+    return (t.free_count, np.asarray(t.free_runs()).tolist(), t.n_ready, t.n_reserved, t.n_ready_pinned, t.evictable, np.asarray(t.state).tolist(),
             np.asarray(t.pins).tolist(), list(keys), list(t.policy.order()), list(t.cold.order() if hasattr(t, "cold")
             else t.cold_order()))  # fmt: skip
 

@@ -235,7 +235,7 @@ def test_strided_cpu_regions_outside_a_slab_are_refused():
 async def test_auto_picks_cuda_with_two_streams_of_its_own():
     # No priority claim: CUDA's least priority is the default one (priority_range() is (0, -N)),
     # so a copy stream can only rank beside a default compute stream, never below it.
-    gpu, cpu = regions(num_blocks=4, num_slots=4, block_bytes=(64,))
+    gpu, cpu = regions(num_blocks=4, num_slots=4, block_bytes=(64, 32))  # two small regions: not the direct road
     engine = make_engine("auto", gpu, cpu)
     assert isinstance(engine, CUDAStreamEngine)
     streams = {engine.stream(d) for d in Direction}

@@ -51,7 +51,7 @@ def plan_store(tier, keys: list[bytes], prefix: list[bytes]) -> tuple:
         tier.keys.remove(slots)
         tier.state[slots] = FREE
         tier.n_reserved -= got
-        tier._nfree += got
+        tier._runs.give(slots)  # the runs are as the reserve found them (a function of the free slots)
         raise
     tier.unpin(held)
     if not len(victims):

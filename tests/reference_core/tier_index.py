@@ -8,6 +8,7 @@ import numpy as np
 
 from tiered_kv.errors import TieredKVError
 
+from .free_runs import FreeRuns
 from .inputs import check_distinct_slots
 from .keytable import KeyTable
 from .policy import EvictionPolicy, LRUPolicy, make_policy
@@ -28,10 +29,9 @@ class TierIndex:
         self.keys = KeyTable(num_slots, key_bytes)
         self.state = np.zeros(num_slots, dtype=np.uint8)
         self.pins = np.zeros(num_slots, dtype=np.uint16)
-        # A stack popped from the end: fresh reservations come out ascending, so they form
-        # runs of consecutive slots that copy (and hit the disk) in one call.
-        self._free = np.arange(num_slots - 1, -1, -1, dtype=np.int64)
-        self._nfree = num_slots
+        # The free slots as runs (free_runs.py): a reservation takes the longest runs first, so it
+        # forms as few runs of consecutive slots (one copy each) as the free slots allow.
+        self._runs = FreeRuns(num_slots)
         self.n_reserved = 0
         self.n_ready = 0
         self.n_ready_pinned = 0  # READY slots with pins > 0 (not evictable)
@@ -42,11 +42,15 @@ class TierIndex:
     # -- queries ----------------------------------------------------------------------
     @property
     def free_count(self) -> int:
-        return self._nfree
+        return self._runs.count
 
     @property
     def used(self) -> int:
-        return self.num_slots - self._nfree
+        return self.num_slots - self._runs.count
+
+    def free_runs(self) -> np.ndarray:
+        """The free slots' maximal runs as (start, length) rows, ascending."""
+        return np.array(self._runs.runs(), dtype=np.int64).reshape(-1, 2)
 
     @property
     def evictable(self) -> int:
@@ -69,18 +73,21 @@ class TierIndex:
         return dict(zip(self.keys.keys_of(slots), slots.tolist(), strict=True))
 
     def nbytes(self) -> int:
-        parts = (self.keys, self.state, self.pins, self._free, self.policy, self.cold)
+        parts = (self.keys, self.state, self.pins, self._runs, self.policy, self.cold)
         return sum(part.nbytes for part in parts)
 
     # -- reserve -> commit | abort -----------------------------------------------------
     def reserve(self, keys: Sequence[bytes] | np.ndarray) -> np.ndarray:
         """Reserve free slots for the leading keys that fit (keys must be absent); ascending slots."""
-        n = min(len(keys), self._nfree)
+        n = min(len(keys), self._runs.count)
         if n == 0:
             return EMPTY
-        slots = np.sort(self._free[self._nfree - n : self._nfree])
-        self.keys.insert(keys[:n], slots)  # raises before anything else changes if a key is present
-        self._nfree -= n
+        slots = self._runs.take(n)
+        try:
+            self.keys.insert(keys[:n], slots)  # raises before anything else changes if a key is present
+        except TieredKVError:
+            self._runs.give(slots)
+            raise
         self.state[slots] = RESERVED
         self.n_reserved += n
         return slots
@@ -235,9 +242,7 @@ class TierIndex:
         self.policy.insert(slots)
         used = np.zeros(self.num_slots, dtype=bool)
         used[slots] = True
-        free = np.flatnonzero(~used)[::-1]
-        self._nfree = len(free)
-        self._free[: self._nfree] = free
+        self._runs.reset(used)
 
     # -- internals ---------------------------------------------------------------------
     def _expect(self, slots: np.ndarray, expected: int) -> None:
@@ -250,20 +255,13 @@ class TierIndex:
             )
 
     def _push_free(self, slots: np.ndarray) -> None:
-        n = len(slots)
-        if self._nfree + n > len(self._free):
+        if self._runs.count + len(slots) > self.num_slots:
             raise TieredKVError(f"{self.name}: more slots freed than exist")
-        # Pushed descending, so they pop ascending again.
-        self._free[self._nfree : self._nfree + n] = np.sort(slots)[::-1]
-        self._nfree += n
+        self._runs.give(slots)
 
     def check_invariants(self) -> None:
         """Every slot accounted for exactly once (tests call this after stress)."""
-        free = self._free[: self._nfree]
-        if len(np.unique(free)) != len(free):
-            raise TieredKVError(f"{self.name}: a slot is on the free list twice")
-        is_free = np.zeros(self.num_slots, dtype=bool)
-        is_free[free] = True
+        is_free = self._runs.free
         st = self.state
         if np.any(is_free != (st == FREE)):
             raise TieredKVError(f"{self.name}: free list and FREE states disagree")

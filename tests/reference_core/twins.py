@@ -121,6 +121,7 @@ def same_tier(ref: RefTierIndex, nat: TierIndex) -> None:
     for name in ("free_count", "n_ready", "n_reserved", "n_ready_pinned", "evictable", "used"):
         same(getattr(ref, name), getattr(nat, name), f"{ref.name}.{name}")
     same(ref.state, nat.state, f"{ref.name}.state")
+    same(ref.free_runs(), nat.free_runs(), f"{ref.name}.free runs")
     same(ref.pins, nat.pins, f"{ref.name}.pins")
     held = np.flatnonzero(ref.state != 0)
     same(ref.keys.keys_of(held), nat.keys_of(held), f"{ref.name}.keys")

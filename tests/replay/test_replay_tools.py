@@ -201,10 +201,15 @@ def test_report_stands_the_replay_beside_every_yardstick_at_its_total(tmp_path, 
     # The run's own policy's flat cache (partial blocks dropped, as the run drops them) is its yardstick.
     y = rep["yardstick"]
     assert y["name"] == "lru_drop_partial" and y["hit_rate"] == want["lru_drop_partial"].hit_rate
+    # Runs of consecutive CPU slots per store plan: one plan per store that placed blocks here.
+    sr = rep["slot_runs"]
+    assert sr["calls"] > 0 and 1 <= sr["mean"] <= sr["max"] and 1 <= sr["p90"] <= sr["max"]
+    assert sr["blocks_mean"] * sr["calls"] == pytest.approx(rep["store"]["stored"])
     assert y["gap_points"] == pytest.approx((hr["total"] - y["hit_rate"]) * 100)
     main(["replay", "--config", path, "--no-progress"])  # the table renders every row
     table = capsys.readouterr().out
     assert "this policy's yardstick" in table, table
+    assert "CPU slot runs per store plan" in table, table
     for label in ("flat lru + drop partial", "flat belady + drop partial", "tiered_kv replay (lru)", "unbounded"):
         assert label in table, table
 

@@ -152,6 +152,16 @@ def test_module_is_small(path: Path):
     assert lines <= MAX_LINES, f"{path.relative_to(ROOT.parent)} has {lines} lines (at most {MAX_LINES})"
 
 
+# The same bound for the native core's sources and for the tests (their data files aside).
+NATIVE_AND_TESTS = sorted([*(ROOT.parent / "native").glob("*.[ch]pp"), *(ROOT.parent / "tests").rglob("*.py")])
+
+
+@pytest.mark.parametrize("path", NATIVE_AND_TESTS, ids=lambda p: str(p.relative_to(ROOT.parent)))
+def test_native_and_test_files_are_small(path: Path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{path.relative_to(ROOT.parent)} has {lines} lines (at most {MAX_LINES})"
+
+
 def test_importing_the_errors_loads_no_heavy_dependency():
     # vLLM's plugin hook and a CLI's --help import tiered_kv.errors: the package's __init__ imports lazily.
     code = ("import sys, tiered_kv.errors, tiered_kv; "

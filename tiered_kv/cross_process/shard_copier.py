@@ -9,7 +9,7 @@ page-aligned sub-slab, so the copies are exactly the TP=1 ones, at every TP size
 page-locks only its own sub-slab (in ``tiers.cpu.pin_chunk`` chunks). The copies run on a copy engine
 over (this rank's registered KV views, its sub-slab), driven by an event loop on a thread the copier
 owns, so ``submit`` and ``poll`` never block the model's thread. Host copies are numpy row copies
-(transfer/numpy_rows.py: no torch intra-op pool in a foreign thread). CUDA copies use CUDAStreamEngine
+(transfer/numpy_rows.py: no torch intra-op pool in a foreign thread). CUDA copies use cuda_engine (the direct road or CUDAStreamEngine)
 with ``compute=`` an event recorded in the caller's thread, on its current stream, when ``submit`` is
 called: a store submitted after the forward (vLLM's wait_for_save) reads what the forward wrote, a load
 submitted before it (start_load_kv) lands before attention reads it (``wait`` for a synchronous one).
@@ -36,7 +36,7 @@ from ..tiers.fs_kind import check_pinnable
 from ..tiers.pinning import HostRegistration, pin_chunks, warn_if_memlock_low
 from ..tiers.segment_geometry import SegmentInfo, storage_ranks
 from ..tiers.shared_cpu import SharedSegment
-from ..transfer import CUDAStreamEngine
+from ..transfer import cuda_engine
 from ..transfer.engines.base import CopyEngine, compute_event
 from ..transfer.engines.numpy_rows import NumpyRowEngine
 from .layer_loads import LayeredLoad, LayerLoads
@@ -138,11 +138,11 @@ class ShardCopier:
         if self.kind == "host":
             return NumpyRowEngine(gpu, cpu)
         self._pinned, dma_rows = _pin(seg, self.rank, self.layout.device, self.pin_chunk)
-        return CUDAStreamEngine(gpu, cpu, dma_rows=dma_rows)
+        return cuda_engine(gpu, cpu, dma_rows=dma_rows)
 
     @property
     def copy_path(self) -> str | None:
-        """The copy path this rank's engine chose at start (table, table-direct, groups, host-rows)."""
+        """The copy path this rank's engine chose at start (direct, table, table-direct, groups, host-rows)."""
         return getattr(self._engine, "copy_path", None)
 
     # -- the step's calls (any thread, never blocking) ------------------------------------------

@@ -250,6 +250,10 @@ def merge_results(results: Sequence[ReplayResult]) -> ReplayResult:
     for r in results:
         for name, value in r.metrics.items():
             metrics[name] = metrics.get(name, 0.0) + value
+    runs: dict[int, int] = {}
+    for r in results:
+        for k, n in r.slot_runs.items():
+            runs[k] = runs.get(k, 0) + n
     first = results[0]
     return ReplayResult(
         stats=stats,
@@ -266,6 +270,8 @@ def merge_results(results: Sequence[ReplayResult]) -> ReplayResult:
         hints=first.hints,
         drop_partial=first.drop_partial,
         remote=first.remote,
+        slot_runs=runs,
+        slot_run_blocks=sum(r.slot_run_blocks for r in results),
     )
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..metrics import DIRECTIONS
+from ..metrics import DIRECTIONS, runs_summary
 from ..sizes import format_size
 from .run import ReplayResult
 from .simulate import SimResult
@@ -102,6 +102,8 @@ def build_report(
             "partial_dropped": s.partial_dropped,
             "released": s.released,
         },
+        # Runs of consecutive CPU slots per store plan (one copy per run; copy-path-design.md 2.1.5).
+        "slot_runs": runs_summary(result.slot_runs, result.slot_run_blocks),
         "spills": int(m.get("tiered_kv_spills_total", 0.0)),
         "evictions": {t: int(m.get(f"tiered_kv_evictions_total{{{t}}}", 0.0)) for t in ("cpu", "disk")},
         "degraded_events": int(
@@ -234,6 +236,12 @@ def print_report(report: dict[str, Any], console=None) -> None:
         lat = r["latency"][op]
         t.add_row(
             f"{op} latency p50 / p99", f"{_ms(lat['p50_ms'])} / {_ms(lat['p99_ms'])}  (n={lat['count']:,})"
+        )
+    sr = r["slot_runs"]
+    if sr["calls"]:
+        t.add_row(
+            "CPU slot runs per store plan: mean / p90 / max",
+            f"{sr['mean']:.2f} / {sr['p90']} / {sr['max']}  ({sr['calls']:,} plans of {sr['blocks_mean']:.1f} blocks)",
         )
     t.add_row(
         "spills / evictions cpu / disk",

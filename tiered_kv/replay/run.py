@@ -20,7 +20,7 @@ import shutil
 import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,8 @@ class ReplayResult:
     hints: bool = False
     drop_partial: bool = True
     remote: bool = False  # tiers.remote was on: hits_remote counts blocks served from Redis
+    slot_runs: dict[int, int] = field(default_factory=dict)  # runs of consecutive CPU slots -> store plans
+    slot_run_blocks: int = 0  # the blocks of those plans
 
     @property
     def total_blocks(self) -> int:
@@ -257,6 +259,8 @@ def replay_result(
         hints=cfg.replay.hints,
         drop_partial=cfg.replay.drop_partial,
         remote=cfg.tiers.remote.enabled,
+        slot_runs=dict(cache.metrics.runs_per_call),
+        slot_run_blocks=cache.metrics.run_blocks,
     )
 
 

@@ -1,25 +1,33 @@
 """Copy engines, the lowest layer of transfer/: copy whole KV blocks between GPU blocks and CPU slots.
 
 host.py (CPU threads; numpy_rows.py its numpy-only variant), cuda.py (CUDA streams and events, with
-the staged, table and table-kernel copy paths and the pinned index ring), bridge.py (CUDA event ->
-asyncio), base.py (the interface they share).
+the staged, table and table-kernel copy paths and the pinned index ring), direct.py (the direct road:
+GPU rows straight to slab rows, one native submit per call), bridge.py (CUDA event -> asyncio),
+base.py (the interface they share).
 
-``make_engine("auto", gpu_regions, cpu_regions)`` picks the CUDA stream engine
-when the GPU regions live on CUDA, else the host (CPU thread) engine.
+``make_engine("auto", gpu_regions, cpu_regions)`` picks a CUDA engine (``cuda_engine``: the direct road
+where the layout allows it, else the CUDA stream engine) when the GPU regions live on CUDA, else the
+host (CPU thread) engine.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Sequence
 from typing import get_args
 
 import torch
 
 from ...config import EngineKind
-from ...errors import ConfigError
+from ...errors import ConfigError, TransferError
 from .base import CopyEngine, CopyHandle, Direction, validate_regions
 from .cuda import CUDAStreamEngine
+from .direct import DirectCopyEngine, direct_eligible
 from .host import HostCopyEngine
+from .table import PATH_ENV
+
+log = logging.getLogger(__name__)
 
 ENGINE_KINDS: tuple[str, ...] = get_args(EngineKind)
 
@@ -29,7 +37,9 @@ __all__ = [
     "CopyEngine",
     "CopyHandle",
     "Direction",
+    "DirectCopyEngine",
     "HostCopyEngine",
+    "cuda_engine",
     "make_engine",
     "validate_regions",
 ]
@@ -49,5 +59,35 @@ def make_engine(
     if kind == "host":
         return HostCopyEngine(gpu_regions, cpu_regions)
     if kind == "cuda":
-        return CUDAStreamEngine(gpu_regions, cpu_regions, dma_rows=dma_rows)
+        return cuda_engine(gpu_regions, cpu_regions, dma_rows=dma_rows)
     raise ConfigError(f"transfer engine kind must be one of {', '.join(ENGINE_KINDS)}; got {kind!r}")
+
+
+# "auto" picks the direct road only once a GPU run has measured it (issue 46): until then it is opt-in,
+# ``copy_path="direct"`` or ``TIERED_KV_COPY_PATH=direct``, and never runs untested in front of users.
+AUTO_DIRECT = False
+
+
+def cuda_engine(
+    gpu_regions: Sequence[torch.Tensor], cpu_regions: Sequence[torch.Tensor], *, dma_rows: int | None = None,
+    copy_path: str = "auto",
+) -> CopyEngine:  # fmt: skip
+    """The CUDA engine for these regions, its copy path chosen once here (``engine.copy_path``).
+
+    ``direct`` (direct.py): every GPU region straight to the slab (one region per block id, or rows of at least
+    1 MiB); chosen by "auto" only when ``AUTO_DIRECT`` (off until measured on a GPU). Else ``CUDAStreamEngine``
+    and its paths, exactly as before. ``copy_path`` (or ``$TIERED_KV_COPY_PATH`` when it is "auto") may force
+    ``direct`` (any layout with adjacent bytes per row) or name one of the CUDA stream engine's paths.
+    """
+    requested = copy_path if copy_path != "auto" else (os.environ.get(PATH_ENV, "") or "auto")
+    if requested == "direct":
+        if not direct_eligible(gpu_regions, cpu_regions, min_row=0):
+            raise ConfigError("copy path 'direct' needs GPU rows whose bytes are adjacent and CPU slab rows "
+                              "it can address; use auto")  # fmt: skip
+        return DirectCopyEngine(gpu_regions, cpu_regions, dma_rows=dma_rows)
+    if requested == "auto" and AUTO_DIRECT and direct_eligible(gpu_regions, cpu_regions):
+        try:
+            return DirectCopyEngine(gpu_regions, cpu_regions, dma_rows=dma_rows)
+        except TransferError as exc:  # e.g. a driver without an entry the copier needs: the staged paths
+            log.warning("direct copy path unavailable (%s); using the CUDA stream engine", exc)
+    return CUDAStreamEngine(gpu_regions, cpu_regions, dma_rows=dma_rows, copy_path=copy_path)

@@ -230,6 +230,7 @@ class StoreRunner:
     def _finish(self, plan: StorePlan, ok: bool) -> int:
         """Commit (or abort) a plan whose copy has ended; start its write-through jobs. How many were stored."""
         m = self._m
+        self._metrics.store_slots(plan.cpu_slots)
         try:
             write_through = m.complete_store(plan, ok)
             remote_job = m.remote_write_job(plan) if ok and self._remote_writes else None

@@ -1,0 +1,125 @@
+// Python bindings of the direct copy road (issue 46): _core.DirectCopier, _core.direct_plan and
+// _core.direct_check_ids (the pure plan, for property tests), and _core.fake_cuda (the fake driver's test
+// controls). bind.cpp calls bind_direct(m) once.
+#pragma once
+#include "convert.hpp"
+#include "direct_copy.hpp"
+#include "fake_driver.hpp"
+
+namespace tkv {
+
+// An id list as int64 (numpy arrays, lists, anything np.asarray takes), or TransferError as check_id_arrays words it.
+inline std::vector<i64> direct_ids(py::handle obj, const std::string& name) {
+    py::array a = py::array::ensure(obj);
+    if (!a) {
+        PyErr_Clear();
+        raise(Err::Transfer, name + "s must be integers, got " + Py_TYPE(obj.ptr())->tp_name);
+    }
+    if (a.size() == 0) return {};
+    char k = a.dtype().kind();
+    if (a.ndim() != 1 || (k != 'i' && k != 'u'))
+        raise(Err::Transfer, name + "s must be integers, got " + std::string(py::str(a.dtype())) + " of shape " +
+                                 std::string(py::str(py::list(a.attr("shape")))));
+    auto c = py::array_t<i64, py::array::c_style | py::array::forcecast>::ensure(a);
+    if (!c) throw py::error_already_set();
+    return std::vector<i64>(c.data(), c.data() + c.size());
+}
+
+// Regions as (gpu_base, gpu_stride, row_bytes, host_base, host_stride, host_col) tuples.
+inline std::vector<PlanRegion> direct_regions(const std::vector<std::array<i64, 6>>& rows) {
+    std::vector<PlanRegion> out;
+    for (size_t r = 0; r < rows.size(); ++r) {
+        const auto& x = rows[r];
+        if (x[1] < 0 || x[2] < 0 || x[4] < 0 || x[5] < 0)
+            raise(Err::Transfer, "direct copy: region " + S(static_cast<i64>(r)) + " has a bad geometry (gpu stride " + S(x[1]) +
+                                     ", row bytes " + S(x[2]) + ", slab stride " + S(x[4]) + ", column " + S(x[5]) + ")");
+        out.push_back(PlanRegion{static_cast<u64>(x[0]), x[1], x[2], static_cast<u64>(x[3]), x[4], x[5]});
+    }
+    if (out.empty()) raise(Err::Transfer, "direct copy: at least one region is needed, got 0");
+    return out;
+}
+
+inline py::array_t<u64> u64_array(const std::vector<u64>& v) {
+    py::array_t<u64> a(static_cast<py::ssize_t>(v.size()));
+    if (!v.empty()) std::memcpy(a.mutable_data(), v.data(), v.size() * sizeof(u64));
+    return a;
+}
+
+inline void bind_direct(py::module_& m) {
+    using Regions = std::vector<std::array<i64, 6>>;
+    m.def("direct_check_ids", [](py::handle src, py::handle dst, i64 src_len, i64 dst_len, const std::string& sn, const std::string& dn) {
+        std::vector<i64> s = direct_ids(src, sn), d = direct_ids(dst, dn);  // in order: src's error first
+        check_ids(s, d, src_len, dst_len, sn, dn);
+    }, py::arg("src"), py::arg("dst"), py::arg("src_len"), py::arg("dst_len"), py::arg("src_name"), py::arg("dst_name"));
+    // The descriptors of one call (ids unchecked: use direct_check_ids first) as (src, dst, bytes) uint64 arrays.
+    m.def("direct_plan", [](const Regions& regions, py::handle gpu_ids, py::handle slots, bool store, i64 dma_rows) {
+        std::vector<i64> g = direct_ids(gpu_ids, "gpu block id"), s = direct_ids(slots, "cpu slot");
+        if (g.size() != s.size()) raise(Err::Transfer, "direct_plan: " + S(static_cast<i64>(g.size())) + " ids vs " + S(static_cast<i64>(s.size())) + " slots");
+        Descriptors d;
+        std::vector<i64> order;
+        plan_descriptors(direct_regions(regions), g.data(), s.data(), static_cast<i64>(g.size()), store, dma_rows, d, order);
+        return py::make_tuple(u64_array(d.src), u64_array(d.dst), u64_array(std::vector<u64>(d.bytes.begin(), d.bytes.end())));
+    }, py::arg("regions"), py::arg("gpu_ids"), py::arg("slots"), py::arg("store"), py::arg("dma_rows") = 0);
+
+    py::class_<DirectCopier>(m, "DirectCopier")
+        // driver: "cuda" (libcuda through cuGetProcAddress) or "fake:VERSION" (fake_cuda, for tests).
+        .def(py::init([](const std::string& driver, int device, const Regions& regions, i64 num_blocks, i64 num_slots, i64 dma_rows) {
+            cu::Driver d;
+            if (driver.rfind("fake:", 0) == 0) {
+                d = fake::driver(std::stoi(driver.substr(5)));
+            } else if (driver == "cuda") {
+                std::string why = cu::load_driver(d);
+                if (!why.empty()) raise(Err::Transfer, "direct copy path: " + why);
+            } else {
+                raise(Err::Transfer, "direct copy: driver must be cuda or fake:VERSION, got " + driver);
+            }
+            auto rs = direct_regions(regions);
+            py::gil_scoped_release unlocked;
+            return new DirectCopier(d, device, std::move(rs), num_blocks, num_slots, dma_rows);
+        }), py::arg("driver"), py::arg("device"), py::arg("regions"), py::arg("num_blocks"), py::arg("num_slots"), py::arg("dma_rows") = 0)
+        // One call: direction 0 store (src: gpu ids, dst: slots) or 1 load; ready 0 none, 1 event, 2 stream.
+        .def("submit", [](DirectCopier& c, int direction, py::handle src, py::handle dst, int ready, u64 handle) {
+            if (direction != 0 && direction != 1) raise(Err::Transfer, "direct copy: direction must be 0 or 1, got " + S(direction));
+            const std::string gpu = "gpu block id", slot = "cpu slot";
+            const std::string& sn = direction == 0 ? gpu : slot;
+            const std::string& dn = direction == 0 ? slot : gpu;
+            std::vector<i64> s = direct_ids(src, sn), d = direct_ids(dst, dn);
+            py::gil_scoped_release unlocked;
+            return c.submit(direction, s, d, ready, handle, sn, dn).first;
+        }, py::arg("direction"), py::arg("src"), py::arg("dst"), py::arg("ready") = 0, py::arg("handle") = 0)
+        .def("poll", [](DirectCopier& c) {
+            auto r = c.poll();
+            py::list errors;
+            for (auto& e : r.second) errors.append(py::make_tuple(std::get<0>(e), std::get<1>(e), std::get<2>(e)));
+            return py::make_tuple(r.first[0], r.first[1], errors);
+        })
+        .def("close", [](DirectCopier& c) { py::gil_scoped_release unlocked; c.close(); })
+        .def_property_readonly("fd", &DirectCopier::fd)
+        .def_property_readonly("closed", &DirectCopier::closed)
+        .def_property_readonly("submits", &DirectCopier::submits)
+        .def_property_readonly("driver_version", [](const DirectCopier& c) { return c.driver().version; })
+        .def_property_readonly("batched", [](const DirectCopier& c) { return c.driver().has_batch(); })
+        .def("stream", &DirectCopier::stream)
+        .def("last_descriptors", &DirectCopier::last_descriptors);
+
+    py::module_ f = m.def_submodule("fake_cuda", "the fake CUDA driver's controls (tests only)");
+    auto ok = [](cu::CUresult rc, const char* what) { if (rc != cu::SUCCESS) raise(Err::Transfer, std::string("fake_cuda.") + what + ": CUresult " + S(rc)); };
+    f.def("stream_create", [ok]() { cu::CUstream s; ok(fake::stream_create(&s, 0), "stream_create"); return reinterpret_cast<u64>(s); });
+    f.def("stream_destroy", [ok](u64 s) { ok(fake::stream_destroy(reinterpret_cast<cu::CUstream>(s)), "stream_destroy"); });
+    f.def("event_create", [ok]() { cu::CUevent e; ok(fake::event_create(&e, 0), "event_create"); return reinterpret_cast<u64>(e); });
+    f.def("event_destroy", [ok](u64 e) { ok(fake::event_destroy(reinterpret_cast<cu::CUevent>(e)), "event_destroy"); });
+    f.def("record", [ok](u64 e, u64 s) { ok(fake::event_record(reinterpret_cast<cu::CUevent>(e), reinterpret_cast<cu::CUstream>(s)), "record"); });
+    f.def("query", [](u64 e) { return fake::event_query(reinterpret_cast<cu::CUevent>(e)) == cu::SUCCESS; });
+    f.def("hold", [](u64 s, bool held) { py::gil_scoped_release u; fake::hold(reinterpret_cast<cu::CUstream>(s), held); }, py::arg("stream"), py::arg("held") = true);
+    f.def("step", [](u64 s, long long records) { py::gil_scoped_release u; fake::step(reinterpret_cast<cu::CUstream>(s), records); }, py::arg("stream"), py::arg("records") = 1);
+    f.def("fail_batches", [](int n) { std::lock_guard<std::mutex> l(fake::device().mu); fake::device().fail_batches = n; });
+    f.def("move_bytes", [](bool on) { std::lock_guard<std::mutex> l(fake::device().mu); fake::device().move_bytes = on; });
+    f.def("counts", []() { std::lock_guard<std::mutex> l(fake::device().mu); return fake::device().counts; });
+    f.def("reset_counts", []() { std::lock_guard<std::mutex> l(fake::device().mu); fake::device().counts.clear(); });
+    f.def("live", []() {  // (events, streams) not destroyed yet: a closed engine leaves none of its own
+        std::lock_guard<std::mutex> l(fake::device().mu);
+        return py::make_tuple(fake::device().events.size(), fake::device().streams.size());
+    });
+}
+
+}  // namespace tkv
