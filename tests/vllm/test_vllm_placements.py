@@ -4,6 +4,8 @@ groups overlaid from byte 0), and the placements that are refused, each naming i
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from types import SimpleNamespace as NS
 
 import pytest
@@ -15,6 +17,7 @@ from tiered_kv.integrations.vllm.block_bytes import (
     scheduler_bytes_per_block,
     worker_layout,
 )
+from tiered_kv.integrations.vllm.groups import KVGroups
 from tiered_kv.integrations.vllm.placements import block_pages, packed_row_bytes
 
 ROW = 93_888  # one packed block of every layer's page
@@ -88,3 +91,35 @@ def test_placements_on_some_tensors_only_are_refused():
     kcc.kv_cache_tensors.append(NS(size=NB * ROW, shared_by=["old"]))
     with pytest.raises(LayoutError, match="some KV cache tensors carry placements"):
         scheduler_bytes_per_block(kcc)
+
+
+def recorded_deepseek_v4() -> NS:
+    """The tiny DeepSeek-V4's KVCacheConfig as vLLM 0.32 computed it (data/deepseek_v4_kv_cache_config.json, written
+    by dsv4_kv_config.py): spec classes rebuilt by name, as groups.py tells them apart."""
+    doc = json.loads((Path(__file__).parent / "data" / "deepseek_v4_kv_cache_config.json").read_text())
+
+    def spec(d: dict):
+        attrs = {k: v for k, v in d.items() if k not in ("class", "kv_cache_specs")}
+        if "kv_cache_specs" in d:
+            attrs["kv_cache_specs"] = {name: spec(s) for name, s in d["kv_cache_specs"].items()}
+        return type(d["class"], (NS,), {})(**attrs)
+
+    tensors = [NS(size=t["size"], layers=t["layers"], layer_stride=t["layer_stride"], block_stride=t["block_stride"],
+                  offset=t["offset"]) for t in doc["kv_cache_tensors"]]  # fmt: skip
+    groups = [NS(layer_names=g["layer_names"], kv_cache_spec=spec(g["spec"])) for g in doc["kv_cache_groups"]]
+    return NS(num_blocks=doc["num_blocks"], kv_cache_tensors=tensors, kv_cache_groups=groups,
+              cache_hit_alignment_tokens=doc["cache_hit_alignment_tokens"])  # fmt: skip
+
+
+def test_deepseek_v4_as_vllm_computed_it_gives_one_row_per_block_and_a_256_token_unit():
+    kcc = recorded_deepseek_v4()
+    assert scheduler_bytes_per_block(kcc) == ROW and len(kcc.kv_cache_tensors) == 8
+    groups = KVGroups.from_config(kcc)
+    assert groups.unit == 256  # lcm(64, 64, 256, 4, 8) and vLLM's cache_hit_alignment_tokens
+    assert [(g.kind, g.window, g.block_size) for g in groups.groups] == [
+        ("sliding", 128, 64), ("sliding", 128, 64), ("full", 0, 256), ("sliding", 8, 4), ("sliding", 128, 8)]
+    # What a hit at 256 tokens needs from each group: the windows before it, the one full block.
+    assert [g.needed(1, groups.unit) for g in groups.groups] == [
+        range(2, 4), range(2, 4), range(0, 1), range(62, 64), range(16, 32)]
+    pages = [group_bytes_per_block(kcc, g.layers) for g in groups.groups]
+    assert pages == [74_880, 74_880, ROW, 82_944, 32_832]
