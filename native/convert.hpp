@@ -127,4 +127,22 @@ inline py::array_t<bool> bool_array(i64 n) {
     return a;
 }
 
+// An id list as int64 (numpy arrays, lists, anything np.asarray takes), or TransferError worded as
+// check_id_arrays words it: the host rows' copy and the direct copy road both take their ids here.
+inline std::vector<i64> id_copy(py::handle obj, const std::string& name) {
+    py::array a = py::array::ensure(obj);
+    if (!a) {
+        PyErr_Clear();
+        raise(Err::Transfer, name + "s must be integers, got " + Py_TYPE(obj.ptr())->tp_name);
+    }
+    char k = a.dtype().kind();
+    if (a.size() == 0) return {};
+    if (a.ndim() != 1 || (k != 'i' && k != 'u'))
+        raise(Err::Transfer, name + "s must be integers, got " + std::string(py::str(a.dtype())) + " of shape " +
+                                 std::string(py::str(py::list(a.attr("shape")))));
+    auto c = py::array_t<i64, py::array::c_style | py::array::forcecast>::ensure(a);
+    if (!c) throw py::error_already_set();
+    return std::vector<i64>(c.data(), c.data() + c.size());
+}
+
 }  // namespace tkv

@@ -8,23 +8,6 @@
 
 namespace tkv {
 
-// An id list as int64 (numpy arrays, lists, anything np.asarray takes), or TransferError as check_id_arrays words it.
-inline std::vector<i64> direct_ids(py::handle obj, const std::string& name) {
-    py::array a = py::array::ensure(obj);
-    if (!a) {
-        PyErr_Clear();
-        raise(Err::Transfer, name + "s must be integers, got " + Py_TYPE(obj.ptr())->tp_name);
-    }
-    if (a.size() == 0) return {};
-    char k = a.dtype().kind();
-    if (a.ndim() != 1 || (k != 'i' && k != 'u'))
-        raise(Err::Transfer, name + "s must be integers, got " + std::string(py::str(a.dtype())) + " of shape " +
-                                 std::string(py::str(py::list(a.attr("shape")))));
-    auto c = py::array_t<i64, py::array::c_style | py::array::forcecast>::ensure(a);
-    if (!c) throw py::error_already_set();
-    return std::vector<i64>(c.data(), c.data() + c.size());
-}
-
 // Regions as (gpu_base, gpu_stride, row_bytes, host_base, host_stride, host_col) tuples.
 inline std::vector<PlanRegion> direct_regions(const std::vector<std::array<i64, 6>>& rows) {
     std::vector<PlanRegion> out;
@@ -48,12 +31,12 @@ inline py::array_t<u64> u64_array(const std::vector<u64>& v) {
 inline void bind_direct(py::module_& m) {
     using Regions = std::vector<std::array<i64, 6>>;
     m.def("direct_check_ids", [](py::handle src, py::handle dst, i64 src_len, i64 dst_len, const std::string& sn, const std::string& dn) {
-        std::vector<i64> s = direct_ids(src, sn), d = direct_ids(dst, dn);  // in order: src's error first
+        std::vector<i64> s = id_copy(src, sn), d = id_copy(dst, dn);  // in order: src's error first
         check_ids(s, d, src_len, dst_len, sn, dn);
     }, py::arg("src"), py::arg("dst"), py::arg("src_len"), py::arg("dst_len"), py::arg("src_name"), py::arg("dst_name"));
     // The descriptors of one call (ids unchecked: use direct_check_ids first) as (src, dst, bytes) uint64 arrays.
     m.def("direct_plan", [](const Regions& regions, py::handle gpu_ids, py::handle slots, bool store, i64 dma_rows) {
-        std::vector<i64> g = direct_ids(gpu_ids, "gpu block id"), s = direct_ids(slots, "cpu slot");
+        std::vector<i64> g = id_copy(gpu_ids, "gpu block id"), s = id_copy(slots, "cpu slot");
         if (g.size() != s.size()) raise(Err::Transfer, "direct_plan: " + S(static_cast<i64>(g.size())) + " ids vs " + S(static_cast<i64>(s.size())) + " slots");
         Descriptors d;
         std::vector<i64> order;
@@ -83,7 +66,7 @@ inline void bind_direct(py::module_& m) {
             const std::string gpu = "gpu block id", slot = "cpu slot";
             const std::string& sn = direction == 0 ? gpu : slot;
             const std::string& dn = direction == 0 ? slot : gpu;
-            std::vector<i64> s = direct_ids(src, sn), d = direct_ids(dst, dn);
+            std::vector<i64> s = id_copy(src, sn), d = id_copy(dst, dn);
             py::gil_scoped_release unlocked;
             return c.submit(direction, s, d, ready, handle, sn, dn).first;
         }, py::arg("direction"), py::arg("src"), py::arg("dst"), py::arg("ready") = 0, py::arg("handle") = 0)

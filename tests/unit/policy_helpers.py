@@ -4,17 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tiered_kv.replay.policies import (
-    POLICIES,
-    ARCPolicy,
-    EvictionPolicy,
-    LRUPolicy,
-    WindowPolicy,
-    make_policy,
-)
-
-__all__ = ["POLICIES", "ARCPolicy", "EvictionPolicy", "LRUPolicy", "WindowPolicy", "make_policy", "A", "pins",
-           "SlotTags", "build", "filled", "snapshot", "evict"]  # fmt: skip
+from tiered_kv.replay.policies import ARCPolicy, EvictionPolicy, WindowPolicy, make_policy
 
 
 def A(*slots: int) -> np.ndarray:

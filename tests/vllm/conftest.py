@@ -125,3 +125,20 @@ def same_output(out: dict, want: dict, tol: float = 0.05) -> bool:
     if out["tokens"] != want["tokens"]:
         return False
     return all(abs(a - b) <= tol for a, b in zip(out.get("logprobs", []), want.get("logprobs", []), strict=True))
+
+
+def corrupt_payloads(disk: Path) -> int:
+    """Flip one payload byte in every record of every namespace's data file; return how many."""
+    n = 0
+    for ns in disk.glob("ns-*"):
+        record = json.loads((ns / "namespace.json").read_text())["record_size"]
+        data = ns / "blocks.dat"
+        with data.open("r+b") as f:
+            size = data.stat().st_size
+            for off in range(128 + 1000, size, record):
+                f.seek(off)
+                byte = f.read(1)
+                f.seek(off)
+                f.write(bytes([byte[0] ^ 0xFF]))
+                n += 1
+    return n

@@ -22,7 +22,7 @@ import dsv4_workarounds  # noqa: E402
 dsv4_workarounds.install()  # before vLLM is imported (prefix caching kept on without AMX)
 
 import torch  # noqa: E402
-from conftest import tokens  # noqa: E402
+from conftest import corrupt_payloads, tokens  # noqa: E402
 from dsv4_kv_config import build  # noqa: E402
 from step_harness import Harness, request  # noqa: E402
 from tiny_deepseek_v4 import make_tiny_deepseek_v4  # noqa: E402
@@ -55,22 +55,6 @@ def ask_until_answered(h: Harness, req, steps: int = 60) -> tuple[int, bool]:
     raise AssertionError(f"still answered None after {steps} steps")
 
 
-def corrupt_records(disk: Path) -> int:
-    """Flip one payload byte in every record of every namespace's data file; return how many."""
-    n = 0
-    for ns in disk.glob("ns-*"):
-        record = json.loads((ns / "namespace.json").read_text())["record_size"]
-        data = ns / "blocks.dat"
-        with data.open("r+b") as f:
-            for off in range(128 + 1000, data.stat().st_size, record):
-                f.seek(off)
-                byte = f.read(1)
-                f.seek(off)
-                f.write(bytes([byte[0] ^ 0xFF]))
-                n += 1
-    return n
-
-
 def main() -> None:
     """Phases: ``cpu`` (store, then a hit from the CPU tier), ``store`` (store through to disk and stop), ``restart``
     (a fresh process over that disk: the hit promoted from disk), ``corrupt`` (every record's bytes flipped first)."""
@@ -87,7 +71,7 @@ def main() -> None:
     written = {g: torch.randint(0, 256, (len(ids), row), dtype=torch.uint8, generator=gen) for g, ids in enumerate(a_ids)}
     disk = {} if phase == "cpu" else {"disk": "32MiB", "spill": "write_through"}
     if phase == "corrupt":
-        corrupt_records(work / "disk")
+        corrupt_payloads(work / "disk")
     h = Harness(work, cpu="16MiB", engine_kv=(vllm_config, kcc, sched_kcc, views), **disk)
     out: dict = {"row": row, "layout": kcc.kv_cache_layout, "groups": h.sched.report()["groups"],
                  "bytes_per_block": h.sched.report()["stats"]["bytes_per_block"]}  # fmt: skip

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
-from conftest import BLOCK, PREFIX_TOKENS, PROMPT_A, PROMPT_B, cache_config, outputs, run_engine
+from conftest import (
+    BLOCK,
+    PREFIX_TOKENS,
+    PROMPT_A,
+    PROMPT_B,
+    cache_config,
+    corrupt_payloads,
+    outputs,
+    run_engine,
+)
 
 NEEDS_VLLM = True
 pytestmark = pytest.mark.slow
@@ -38,23 +46,6 @@ def test_restart_second_process_hits_from_disk(model_dir, baseline, seeded_disk,
     assert report["counters"]["loaded_blocks"] == PREFIX_TOKENS // BLOCK
     assert report["counters"].get("load_error_blocks", 0) == 0
     assert b["tokens"] == baseline[tuple(PROMPT_B)]
-
-
-def corrupt_payloads(disk: Path) -> int:
-    """Flip one payload byte in every record of every namespace's data file; return how many."""
-    n = 0
-    for ns in disk.glob("ns-*"):
-        record = json.loads((ns / "namespace.json").read_text())["record_size"]
-        data = ns / "blocks.dat"
-        with data.open("r+b") as f:
-            size = data.stat().st_size
-            for off in range(128 + 1000, size, record):
-                f.seek(off)
-                byte = f.read(1)
-                f.seek(off)
-                f.write(bytes([byte[0] ^ 0xFF]))
-                n += 1
-    return n
 
 
 def test_fault_corrupt_disk_record_makes_vllm_recompute(model_dir, baseline, seeded_disk, tmp_path):

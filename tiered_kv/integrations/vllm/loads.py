@@ -52,7 +52,7 @@ class _Asked:
 class LoadBook:
     def __init__(self, unit: int, calls: CacheCalls, counters: Counter[str], *, ratios: tuple[int, ...] = (1,),
                  hybrid: bool = False) -> None:  # fmt: skip
-        self._bs = unit  # tokens per hit unit (groups.py): starts, boundaries and caps count units
+        self._unit = unit  # tokens per hit unit (groups.py): starts, boundaries and caps count units
         self._ratios = ratios  # each group's blocks per unit
         self._hybrid = hybrid  # vLLM has several KV cache groups: failures go by request, never by block
         self._calls = calls
@@ -94,7 +94,7 @@ class LoadBook:
         if num_external <= 0 or asked is None:
             return
         start, hit = asked.first, asked.hit
-        if start * self._bs + num_external != hit_end(hit, self._bs):  # it may end inside a block (tails.py)
+        if start * self._unit + num_external != hit_end(hit, self._unit):  # it may end inside a block (tails.py)
             self._admitted_otherwise(rid, start, hit, block_ids, num_external)
             return
         ids = [block_ids[p][a:b] for p, (a, b) in enumerate(hit.ranges)]
@@ -104,7 +104,7 @@ class LoadBook:
             ids = [g for g, (a, b) in zip(ids, hit.ranges, strict=True) if b > a]
         flat = [b for group in ids for b in group]
         tag = new_tag(f"{rid}:load")
-        tail_tokens = hit.tokens - (hit.boundary - 1) * self._bs if hit.tail is not None else 0
+        tail_tokens = hit.tokens - (hit.boundary - 1) * self._unit if hit.tail is not None else 0
         if not hit.in_cpu:
             future = self._calls.load_later(tag, parts, grouped=not one, cold=cold)
             self._loads[rid] = _Load(start, ids, future, False, hit.boundary, hit.tail is not None, tail_tokens)
@@ -130,8 +130,8 @@ class LoadBook:
         """vLLM admitted another number of external tokens than promised: nothing is loaded, and the
         admitted blocks are reported failed (never left for a forward to read uninitialised)."""
         log.error("tiered_kv: %s: vLLM admitted %d external tokens, not the %d promised; reported as a failed "
-                  "load (vLLM recomputes them)", rid, num_external, hit_end(hit, self._bs) - start * self._bs)  # fmt: skip
-        end = start + -(-num_external // self._bs)
+                  "load (vLLM recomputes them)", rid, num_external, hit_end(hit, self._unit) - start * self._unit)  # fmt: skip
+        end = start + -(-num_external // self._unit)
         ids = [group[start * r : end * r] for group, r in zip(block_ids, self._ratios, strict=True)]
         self._counters["load_admission_mismatches"] += 1
         self._cap[rid] = start
@@ -204,7 +204,7 @@ class LoadBook:
         where = self._sources.pop(rid, None)
         if not where or num_external <= 0:
             return {}
-        out = {tier: n * self._bs for tier, n in where.items() if n > 0}
+        out = {tier: n * self._unit for tier, n in where.items() if n > 0}
         extra = num_external - sum(out.values())  # vLLM wants them to sum to what it admitted
         if extra:
             top = max(out, key=out.get) if out else ""
