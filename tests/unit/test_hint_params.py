@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from types import SimpleNamespace
 
-from tiered_kv.integrations.vllm.hints import NO_HINTS, RequestHints, hints_of
+from tiered_kv.scheduler.hints import NO_HINTS, RequestHints, hints_of
 
 
 def req(raw):

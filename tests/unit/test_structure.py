@@ -29,6 +29,7 @@ LAYERS: list[set[str]] = [
     {"transfer"},
     {"lifecycle", "loops", "cache", "cache_resources", "cache_args", "cache_sync"},
     {"cross_process"},
+    {"scheduler"},
     {"integrations"},
     {"replay", "bench", "cli", "__init__", "__main__"},
 ]
@@ -107,6 +108,27 @@ def test_no_import_runs_back_up():
         if _layer(dst) > _layer(src)
     )
     assert not up, "imports that run back up:\n" + "\n".join(up)
+
+
+def _engine_imports(path: Path) -> set[str]:
+    """Serving engines a file imports, anywhere in it (lazy imports included)."""
+    engines = {"vllm", "sglang"}
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        found.update(n.split(".")[0] for n in names if n.split(".")[0] in engines)
+    return found
+
+
+def test_the_scheduler_side_imports_no_engine():
+    # tiered_kv.scheduler is what a second engine's connector reuses: an engine import there would make
+    # every other engine install vLLM (or copy the module).
+    engine_bound = {
+        name: sorted(_engine_imports(path)) for name, path in MODULES.items() if name.startswith("tiered_kv.scheduler")
+    }
+    assert len(engine_bound) > 5, sorted(engine_bound)
+    assert not {n: e for n, e in engine_bound.items() if e}
 
 
 def test_no_circles():

@@ -1,4 +1,4 @@
-"""Partial tail keys (integrations/vllm/tail_keys.py), their side index, and the cold end they are stored at
+"""Partial tail keys (scheduler/tail_keys.py), their side index, and the cold end they are stored at
 (TierManager.demote): a tail matches only the same prefix followed by exactly its tokens, never a full block."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import itertools
 import numpy as np
 import pytest
 
-from tiered_kv.integrations.vllm.request_keys import request_block_keys, request_salt
-from tiered_kv.integrations.vllm.tail_keys import TAIL_MARK, TailIndex, tail_key
 from tiered_kv.keys import BlockKeyer, KeyNamespace
 from tiered_kv.manager import TierManager
+from tiered_kv.scheduler.request_keys import request_block_keys, request_salt
+from tiered_kv.scheduler.tail_keys import TAIL_MARK, TailIndex, tail_key
 
 BS = 4
 KEYER = BlockKeyer(KeyNamespace("m", "float16", "abcd", BS))
@@ -135,8 +135,8 @@ def test_demote_of_nothing_or_of_missing_keys_changes_nothing():
 def test_only_a_model_with_one_full_attention_group_answers_inside_a_block_and_stores_tails():
     from types import SimpleNamespace
 
-    from tiered_kv.integrations.vllm.groups import FULL, SLIDING, Group, KVGroups
-    from tiered_kv.integrations.vllm.tails import Tails
+    from tiered_kv.scheduler.groups import FULL, SLIDING, Group, KVGroups
+    from tiered_kv.scheduler.tails import Tails
 
     one = Tails(KVGroups((Group(0, FULL, ("a",)),), 1), 32)
     assert (one.inside, one.records) == (True, True)
@@ -154,8 +154,8 @@ def test_only_a_model_with_one_full_attention_group_answers_inside_a_block_and_s
 def test_an_mla_model_keeps_whole_blocks():
     from types import SimpleNamespace
 
-    from tiered_kv.integrations.vllm.groups import FULL, Group, KVGroups
-    from tiered_kv.integrations.vllm.tails import Tails
+    from tiered_kv.scheduler.groups import FULL, Group, KVGroups
+    from tiered_kv.scheduler.tails import Tails
 
     mla_spec = type("MLAAttentionSpec", (), {})()  # what vLLM names DeepSeek's latent KV spec
     kcc = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=mla_spec)])

@@ -9,7 +9,7 @@ import pytest
 
 from tiered_kv.errors import ConfigError, LayoutError
 from tiered_kv.integrations.vllm.block_bytes import group_bytes_per_block, scheduler_bytes_per_block
-from tiered_kv.integrations.vllm.groups import FULL, MAMBA, SLIDING, Group, KVGroups
+from tiered_kv.scheduler.groups import FULL, MAMBA, SLIDING, Group, KVGroups
 
 NB, PAGE = 64, 16384
 

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 import tiered_kv as tkv
-from tiered_kv.integrations.vllm import request_block_keys, request_salt
 from tiered_kv.integrations.vllm.extra_config import resolve_config
+from tiered_kv.scheduler.request_keys import request_block_keys, request_salt
 
 BS = 32
 

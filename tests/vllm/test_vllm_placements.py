@@ -17,8 +17,8 @@ from tiered_kv.integrations.vllm.block_bytes import (
     scheduler_bytes_per_block,
     worker_layout,
 )
-from tiered_kv.integrations.vllm.groups import KVGroups
 from tiered_kv.integrations.vllm.placements import block_pages, packed_row_bytes
+from tiered_kv.scheduler.groups import KVGroups
 
 ROW = 93_888  # one packed block of every layer's page
 NB = 6

@@ -17,6 +17,6 @@ over the cache across processes (tiered_kv.cross_process). ``request_keys``, ``b
 ``hits``, ``hints``, ``replicas``, ``cache_calls`` and ``plugin`` import without vLLM; the halves and ``connector`` need it.
 """
 
-from .request_keys import request_block_keys, request_salt
+from ...scheduler.request_keys import request_block_keys, request_salt
 
 __all__ = ["request_block_keys", "request_salt"]

@@ -23,11 +23,11 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 
-from .cache_calls import CacheCalls
-from .hits import Hit
+from ...scheduler.cache_calls import CacheCalls
+from ...scheduler.hits import Hit
+from ...scheduler.requests import new_tag
+from ...scheduler.tails import hit_end, load_parts
 from .meta import TieredKVMetadata
-from .requests import new_tag
-from .tails import hit_end, load_parts
 
 log = logging.getLogger(__name__)
 

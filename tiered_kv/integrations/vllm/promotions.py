@@ -27,8 +27,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from .hits import Hit
-from .tails import load_parts
+from ...scheduler.hits import Hit
+from ...scheduler.tails import load_parts
 
 log = logging.getLogger(__name__)
 

@@ -30,21 +30,21 @@ from typing import Any, TypeVar
 from ...cross_process import STORE
 from ...errors import ConfigError
 from ...layout import KVLayout
+from ...scheduler.cache_calls import CacheCalls, Store, close_before_executors_exit
+from ...scheduler.groups import KVGroups
+from ...scheduler.hints import NO_HINTS, RequestHints, hints_of
+from ...scheduler.request_keys import group_block_keys, request_block_keys, salt_of, uses_prompt_embeds
+from ...scheduler.requests import KeyCache, Req, new_tag, vllm_cache_is_empty
+from ...scheduler.tails import Tails
 from .block_bytes import check_rank_bytes, group_bytes_per_block, scheduler_bytes_per_block
-from .cache_calls import CacheCalls, Store, close_before_executors_exit
 from .events import HashBook, to_vllm_events
 from .extra_config import resolve_config
-from .groups import KVGroups
-from .hints import NO_HINTS, RequestHints, hints_of
 from .loads import LoadBook
 from .meta import TieredKVHandshake, TieredKVMetadata
 from .promotions import Promotions
 from .replicas import check_rank_replicas, kv_tp_replicas
-from .request_keys import group_block_keys, request_block_keys, salt_of, uses_prompt_embeds
-from .requests import KeyCache, Req, new_tag, vllm_cache_is_empty
 from .stats import StatsFile
 from .stores import StoreBook
-from .tails import Tails
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...cross_process import STORE
-from .groups import FULL, Group, KVGroups
-from .requests import Req, new_tag
+from ...scheduler.groups import FULL, Group, KVGroups
+from ...scheduler.requests import Req, new_tag
 
 
 @dataclass

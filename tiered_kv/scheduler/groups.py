@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import ConfigError
+from ..errors import ConfigError
 
 FULL, SLIDING, MAMBA = "full", "sliding", "mamba"
 

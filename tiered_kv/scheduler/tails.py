@@ -47,7 +47,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from ...keys import BlockKeyer
+from ..keys import BlockKeyer
 from .groups import FULL, KVGroups
 from .hints import NO_HINTS
 from .hits import Hit, find_hit, touch_hit

@@ -23,9 +23,9 @@ from collections import Counter
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any
 
-from ...cache_sync import load_sync, store_sync
-from ...config import Config
-from ...cross_process import (
+from ..cache_sync import load_sync, store_sync
+from ..config import Config
+from ..cross_process import (
     ProxyCopyEngine,
     SchedulerCache,
     gather_loads,
@@ -33,10 +33,10 @@ from ...cross_process import (
     request_scope,
     run_tagged,
 )
-from ...errors import ConfigError
-from ...layout import KVLayout
-from ...loops import LoopThread
-from ...state_lock import StateLock, borrowed_loop, has_callbacks
+from ..errors import ConfigError
+from ..layout import KVLayout
+from ..loops import LoopThread
+from ..state_lock import StateLock, borrowed_loop, has_callbacks
 from .hints import RequestHints
 from .hits import Hit
 

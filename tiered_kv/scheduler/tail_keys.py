@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from ...keys import BlockKeyer
+from ..keys import BlockKeyer
 
 TAIL_MARK = -0x7461696C6B657931  # "tailkey1", negated: no token id is negative
 INDEX_CAP = 1 << 16  # parents remembered (about 150 bytes each: at most ~10 MB)

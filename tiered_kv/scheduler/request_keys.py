@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ...keys import BlockKeyer
+from ..keys import BlockKeyer
 
 SALT_WORDS = 4  # 256 bits of sha256, as four int64 words
 
