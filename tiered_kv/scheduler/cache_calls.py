@@ -1,4 +1,4 @@
-"""Every call the scheduler half makes into the cross-process cache, from vLLM's thread.
+"""Every call a scheduler makes into the cross-process cache, from the engine's thread (vLLM's, via its scheduler half).
 
 The cache (``cross_process.SchedulerCache``: the TieredKVCache over the shared segment, and the proxy
 engine whose jobs the workers copy) lives on an asyncio loop in a thread owned here
