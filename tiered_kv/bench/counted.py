@@ -43,32 +43,59 @@ class CountedEngine(CopyEngine):
 
 
 class SubmitClock:
-    """Host seconds spent inside ``engine.submit_store``/``submit_load`` (the engine's share of a call), and the
-    CPU slots each call named. Wraps the bound methods of one engine instance; ``restore`` undoes it."""
+    """Host seconds spent inside the engine's entry points (the engine's share of a call), and the CPU slots each
+    call named. Wraps ``submit_store``/``submit_load`` and, where the engine has them, the host engine's
+    ``copy_inline`` (which copies before it returns: its share then holds the memcpy) and ``copy_threaded``.
+    Patches the bound methods of one engine instance; install it before the cache registers the engine (in the
+    ``engine_factory``): the handlers keep the methods they found then. ``restore`` undoes it."""
 
     def __init__(self, engine: CopyEngine) -> None:
         self.engine = engine
         self.seconds = 0.0
         self.calls = 0
         self._slots = {d: deque(maxlen=4096) for d in Direction}  # each call's CPU slots, as given
-        self._orig = {"submit_store": engine.submit_store, "submit_load": engine.submit_load}
-        engine.submit_store = self._wrap(self._orig["submit_store"], Direction.STORE)  # type: ignore[method-assign]
-        engine.submit_load = self._wrap(self._orig["submit_load"], Direction.LOAD)  # type: ignore[method-assign]
+        self._orig = {}
+        for name, direction in (("submit_store", Direction.STORE), ("submit_load", Direction.LOAD)):
+            self._orig[name] = getattr(engine, name)
+            setattr(engine, name, self._wrap_submit(self._orig[name], direction))
+        for name in ("copy_inline", "copy_threaded"):
+            if getattr(engine, name, None) is not None:
+                self._orig[name] = getattr(engine, name)
+                setattr(engine, name, self._wrap_copy(self._orig[name]))
 
-    def _wrap(self, submit, direction: Direction):
+    def _note(self, t0: float, direction: Direction, src, dst) -> None:
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        self._slots[direction].append(dst if direction is Direction.STORE else src)  # runs: counted later
+
+    def _wrap_submit(self, submit, direction: Direction):
         def timed(src, dst, *, compute: Compute = None) -> CopyHandle:
             t0 = time.perf_counter()
             try:
                 return submit(src, dst, compute=compute)
             finally:
-                self.seconds += time.perf_counter() - t0
-                self.calls += 1
-                self._slots[direction].append(dst if direction is Direction.STORE else src)  # runs: counted later
+                self._note(t0, direction, src, dst)
+
+        return timed
+
+    def _wrap_copy(self, copy):
+        def timed(direction: Direction, src, dst, *args):
+            t0 = time.perf_counter()
+            done = False
+            try:
+                done = copy(direction, src, dst, *args)
+                return done
+            finally:
+                if done is not False:  # copy_inline declined: the call goes on to another entry point
+                    self._note(t0, direction, src, dst)
+                else:
+                    self.seconds += time.perf_counter() - t0
 
         return timed
 
     def slot_runs(self, direction: Direction, last: int | None = None) -> list[int]:
-        """Runs of consecutive slots (in slot order, as the engines copy them) of each call in ``direction`` (the ``last`` ones), counted outside the timed calls."""
+        """Runs of consecutive slots (in slot order, as the engines copy them) of each call in ``direction`` (the
+        ``last`` ones), counted here, outside the timed calls."""
         calls = list(self._slots[direction])[-last:] if last else self._slots[direction]
         return [slot_runs(np.asarray(s, dtype=np.int64)) for s in calls]
 
