@@ -191,23 +191,24 @@ async def profile_parts(op_fn, op: str, rng, kb: int, resident: list[list[bytes]
     out["runners+loop"] = max(0.0, whole - claimed)
     scale = total_us / (whole * 1e6 / calls) if whole > 0 else 0.0
     by_module: dict[str, float] = {}  # self time (no callees) by where the code lives: sums to the whole
-    for (file, _line, _name), (_cc, _nc, tt, _ct, _callers) in stats.items():
-        group = _module(file)
+    for (file, _line, name), (_cc, _nc, tt, _ct, _callers) in stats.items():
+        group = _module(file, name)
         by_module[group] = by_module.get(group, 0.0) + tt
     per_call = lambda d: {k: round(v * 1e6 / calls * scale, 2) for k, v in sorted(d.items(), key=lambda kv: -kv[1])}  # noqa: E731
     return {"parts": per_call(out), "self_by_module": per_call(by_module)}
 
 
-def _module(file: str) -> str:
-    """``tiered_kv/transfer/runners/store.py`` -> ``transfer/runners``; builtins and C code -> ``native/builtins``."""
+def _module(file: str, name: str) -> str:
+    """Where a profiled function lives: ``tiered_kv/transfer/runners/store.py`` -> ``transfer/runners``, a
+    package's file -> the package, C functions by their owner (the native core, numpy, builtins)."""
     if file == "~" or not file.endswith(".py"):
-        return "native/builtins"
+        return "native core" if "tiered_kv._core" in name else "numpy (C)" if "numpy" in name else "builtins"
     if "/tiered_kv/" in file:
         parts = file.split("/tiered_kv/", 1)[1].split("/")
         return "/".join(parts[:2]) if len(parts) > 2 else parts[0]
-    if "/asyncio/" in file or "uvloop" in file:
-        return "asyncio"
-    return file.rsplit("/", 2)[-2] if "site-packages" in file else "stdlib"
+    if "site-packages/" in file:
+        return file.split("site-packages/", 1)[1].split("/", 1)[0]
+    return "asyncio" if "/asyncio/" in file else "stdlib"
 
 
 def _short(name: str) -> str:
