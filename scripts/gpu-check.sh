@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check in one command (issues 27, 38): install carried wheels, build the native core, run the GPU
 # tests (make test-gpu's set, the slow realistic batch and the ShardCopier tests included), `tiered-kv bench
-# --only gpu --json`, the end-to-end case at three geometries for every copy path, the direct road (issue 46)
-# included, with host us per submit (scripts/gpu_e2e.py), the
+# --only gpu --json` (one call in flight and 1-8 in flight, both ways at once, host us per call split into the
+# engine's and the cache's), the end-to-end case at three geometries for every copy path, the direct road (issue 46)
+# included, with calls in flight and host us per submit (scripts/gpu_e2e.py), the
 # model's compute beside the copies per path (scripts/gpu_compute_beside.py), and
 # the vLLM-free TP=2 ShardCopier bench; write ONE JSON with the device's name, the copy path chosen, GB/s
 # per direction and each case's ratio to one pinned DMA of the same bytes. About 5 minutes on an H200.
@@ -117,6 +118,12 @@ else:
             key = f"cache_{row['op']}_{row['block_bytes']}B_{row['regions']}regions"  # store: D2H, load: H2D
             gbps[key] = {"ours": row.get("ours_gbps", {}).get("median"), "raw": row.get("raw_gbps", {}).get("median"),
                          "pinned_dma": row.get("pinned_dma_gbps")}
+        for row in bench.get("gpu", {}).get("inflight", []):  # calls in flight, both ways at once (issue 46)
+            key = f"inflight_{row['op']}_{row['block_bytes']}B_x{row['inflight']}"
+            gbps[key] = {k: row.get(k) for k in ("of_dma", "of_link", "target_min", "meets_target")}
+            gbps[key]["ratio"] = row.get("ratio", {}).get("median")
+            if "host_us" in row:
+                gbps[key]["host_us"] = {k: v.get("median") for k, v in row["host_us"].items()}
         doc["bench_gpu"] = bench.get("gpu")
     except (OSError, ValueError, KeyError) as exc:
         doc["bench_gpu_error"] = repr(exc)
@@ -126,8 +133,9 @@ else:
         for row in e2e.get("cases", []):
             if "store_gbps" in row:
                 key = f"e2e_{row['geometry']}_{row['copy_path']}"
-                gbps[key] = {k: row[k] for k in ("store_gbps", "load_gbps", "both_gbps", "store_of_dma", "load_of_dma",
-                                                 "both_of_one_direction", "bytes_equal")}
+                gbps[key] = {k: row.get(k) for k in ("store_gbps", "load_gbps", "both_gbps", "store_of_dma", "load_of_dma",
+                                                     "both_of_one_direction", "bytes_equal", "store_inflight_of_dma",
+                                                     "load_inflight_of_dma")}
     except (OSError, ValueError, KeyError) as exc:
         doc["e2e_error"] = repr(exc)
     try:  # scripts/gpu_compute_beside.py: the model's compute beside the copies, per copy path
