@@ -8,7 +8,7 @@ Cases: the CPU tier alone, and a disk tier below it with ``write_through`` (each
 64 blocks for disk) under lru, arc and window. The tiers are full, so every store evicts. Stores bring
 fresh keys; loads read resident ones. The bar, as in the lookup bench, is a dict-insert loop of the
 call's 64 keys, interleaved with ours; the issue's target: at most 100 us per call
-(the cache's share, ``cache_us``; run.TARGETS).
+(the cache's share, ``cache_us``; targets.TARGETS).
 
 Time is the loop thread's CPU time (``time.thread_time``): the disk writes run on the DiskStore's
 threads and are not the cache's bookkeeping; what the loop does to start and finish them is.

@@ -19,6 +19,7 @@ import torch
 from ..errors import TieredKVError
 from .copy import BLOCK_SIZES, REGIONS, bench_copies
 from .rig import BATCH
+from .targets import TARGETS
 
 
 def cuda_available() -> bool:
@@ -50,9 +51,7 @@ LINK_BYTES = 128 << 20  # one DMA this large: the link's own rate (the yardstick
 
 def judge_inflight(rows: list[dict], link: dict[str, float], peaks: dict[int, dict[str, float]] | None = None) -> list[dict]:
     """Each row's GB/s against one pinned DMA of a call's bytes (``of_dma``) and against the link (``of_link``),
-    with the issue's targets (run.TARGETS) where one applies; the host us against theirs."""
-    from .run import TARGETS
-
+    with the issue's targets (targets.TARGETS) where one applies; the host us against theirs."""
     peaks = peaks if peaks is not None else {}
     for row in rows:
         b = row["block_bytes"]
