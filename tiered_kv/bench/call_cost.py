@@ -150,18 +150,29 @@ async def _op_row(op: str, cache: TieredKVCache, clock: SubmitClock, call, rng, 
     }  # fmt: skip
 
 
-# The parts the issue names, each a set of functions whose cumulative time (callees included) is the part's:
-# argument checks, the manager's planning, the engine's submit (id validation + the counted launch), the
-# manager's commit, metrics, the loop side of disk writes; what none claims (the runners' and the loop's
-# own iterations, futures, completion) is "runners+loop".
-PARTS = {
+# The parts the issue names. A function belongs to a part by name (the manager's and the engine's entry points,
+# the argument checks) or by where it lives (metrics, the disk tier with the spill runner and the DiskIO
+# handler); a part's time is what its functions take when called from outside every part (callees
+# included), so nothing counts twice. What no part claims (the runners' and the loop's own iterations,
+# futures, completion) is "runners+loop".
+NAMED = {
     "args": ("check_blocks", "compute_for", "check_keys", "check_block_ids"),
     "plan": ("prepare_store", "prepare_load", "plan_load"),
     "engine submit": ("submit_store", "submit_load"),
     "commit": ("complete_store", "complete_load", "finish_load"),
-    "metrics": ("moved", "store_slots", "observe", "inc", "set"),
-    "disk (loop side)": ("in_background", "spill"),
 }
+PARTS = (*NAMED, "metrics", "disk (loop side)")
+_DISK_FILES = ("/tiered_kv/tiers/disk/", "/tiered_kv/transfer/handlers/disk_io.py",
+               "/tiered_kv/transfer/runners/spill.py", "/aiofiles/")  # fmt: skip
+
+
+def _part(file: str, name: str) -> str | None:
+    if any(f in file for f in _DISK_FILES):
+        return "disk (loop side)"
+    if file.endswith("/tiered_kv/metrics.py") or "/prometheus_client/" in file:
+        return "metrics"
+    short = _short(name)
+    return next((part for part, names in NAMED.items() if short in names), None)
 
 
 async def profile_parts(op_fn, op: str, rng, kb: int, resident: list[list[bytes]], calls: int,
@@ -178,16 +189,27 @@ async def profile_parts(op_fn, op: str, rng, kb: int, resident: list[list[bytes]
     whole = time.thread_time() - t0
     prof.disable()
     stats = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tt, ct, callers)
-    out: dict[str, float] = {}
-    claimed = 0.0
-    for part, names in PARTS.items():
-        ct = 0.0
-        for (_file, _line, name), (_cc, _nc, _tt, cum, callers) in stats.items():
-            # Count a function only where no other function of the same part called it (no double counting).
-            if _short(name) in names and not any(_short(c[2]) in names for c in callers):
-                ct += cum
-        out[part] = ct
-        claimed += ct
+    out: dict[str, float] = dict.fromkeys(PARTS, 0.0)
+    memo: dict[tuple, str | None] = {}
+
+    def part_of(key: tuple, depth: int = 0) -> str | None:
+        """A C function (numpy's, a builtin) takes the part of its callers when they all share one: time spent
+        in a part's Python through numpy.fromiter is still the part's, not a second entry into it."""
+        if key not in memo:
+            memo[key] = _part(key[0], key[2])
+            if key[0] == "~" and key in stats and depth < 4:
+                parts = {part_of(c, depth + 1) for c in stats[key][4]}
+                memo[key] = parts.pop() if len(parts) == 1 else None
+        return memo[key]
+
+    for key, (_cc, _nc, _tt, cum, callers) in stats.items():
+        part = part_of(key)
+        if part is None:
+            continue
+        # The time spent here on behalf of callers outside every part (cProfile keeps it per caller).
+        outside = [c[3] for ck, c in callers.items() if part_of(ck) is None]
+        out[part] += sum(outside) if callers else cum
+    claimed = sum(out.values())
     out["runners+loop"] = max(0.0, whole - claimed)
     scale = total_us / (whole * 1e6 / calls) if whole > 0 else 0.0
     by_module: dict[str, float] = {}  # self time (no callees) by where the code lives: sums to the whole
