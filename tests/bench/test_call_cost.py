@@ -87,6 +87,11 @@ def test_the_call_cost_rows_hold_every_figure_for_the_cpu_tier_and_a_disk_write_
         assert sum(parts.values()) >= 0.99 * r["ours_us"]["median"]
         by_module = sum(r["profile_us"]["self_by_module"].values())  # the profiled self times: nearly the whole
         assert 0.8 * r["ours_us"]["median"] <= by_module <= 1.01 * r["ours_us"]["median"]
+        # The second view, timed sections without a profiler: every section seen, the rest what they leave.
+        sections = r["sections_us"]
+        assert set(sections) == {"args", "plan", "commit", "metrics", "engine submit", "rest"}
+        assert all(math.isfinite(v) for v in sections.values())
+        assert sections["plan"] > 0 and sections["commit"] > 0 and sections["engine submit"] > 0
     disk_store = rows[2]["profile_us"]["parts"]
     assert disk_store["disk (loop side)"] > 0  # write-through started its disk writes from these stores
     assert rows[0]["profile_us"]["parts"]["disk (loop side)"] < disk_store["disk (loop side)"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import cProfile
 import pstats
+import statistics
 import tempfile
 import time
 
@@ -32,6 +33,7 @@ from ..loops import run as run_loop
 from ..transfer.engines.base import Direction
 from .counted import CountedEngine, SubmitClock
 from .rig import BATCH, fresh_keys
+from .sections import SECTION_NAMES, Sections
 from .stats import Spread, interleave
 
 BLOCK = 4096  # bytes per block: a disk record's own padding, so the disk writes stay small
@@ -124,19 +126,26 @@ async def _op_row(op: str, cache: TieredKVCache, clock: SubmitClock, call, rng, 
                 d[key] = j
         return (time.thread_time() - t0) / calls
 
-    async def ours(i: int) -> float:
+    async def sample(i: int) -> tuple[float, float]:
+        """Seconds per call: the loop thread's CPU time, and of it the engine's entry points."""
         batch = work[i] if op == "store" else [resident[-1 - (k % len(resident))] for k in range(calls)]
         clock.take()
         t0 = time.thread_time()
         for k, keys in enumerate(batch):
             await call(keys, k)
         dt = (time.thread_time() - t0) / calls
-        engine_s.append(clock.take() / calls)
+        engine = clock.take() / calls
         await cache._tasks.drain()  # the background disk writes: their loop-side work was counted above
+        return dt, engine
+
+    async def ours(i: int) -> float:
+        dt, engine = await sample(i)
+        engine_s.append(engine)
         return dt
 
     raw_s, ours_s = await interleave({"dict insert loop": raw}, ours, rounds)
     dict_s, engine_s = raw_s["dict insert loop"], engine_s[-rounds:]  # the warm-up round dropped
+    sections = await _sections(cache, sample, rounds, calls)
     direction = Direction.STORE if op == "store" else Direction.LOAD
     return {
         "op": op, "batch": BATCH, "rounds": rounds, "calls_per_sample": calls,
@@ -147,7 +156,27 @@ async def _op_row(op: str, cache: TieredKVCache, clock: SubmitClock, call, rng, 
         "time_ratio": Spread.of([o / r for r, o in zip(dict_s, ours_s, strict=True)]).as_dict(),
         "slot_runs_per_call": Spread.of(clock.slot_runs(direction, calls) or [0]).as_dict(2),
         "engine_calls": cache.engine.calls[direction],
+        "sections_us": sections,
     }  # fmt: skip
+
+
+async def _sections(cache: TieredKVCache, sample, rounds: int, calls: int) -> dict[str, float]:
+    """Median us per call of each timed section (sections.py) over a few more samples; ``rest`` is what they
+    and the engine's entry points leave of the call (the runners' and the loop's own work, completion)."""
+    timer = Sections(cache)
+    per: dict[str, list[float]] = {k: [] for k in (*SECTION_NAMES, "engine submit", "rest")}
+    try:
+        for i in range(max(3, rounds // 3)):
+            timer.take()
+            whole, engine = await sample(i % rounds + 1)
+            got = {k: v / calls for k, v in timer.take().items()}
+            for k, v in got.items():
+                per[k].append(v)
+            per["engine submit"].append(engine)
+            per["rest"].append(whole - engine - sum(got.values()))
+    finally:
+        timer.restore()
+    return {k: round(statistics.median(v) * 1e6, 2) for k, v in per.items()}
 
 
 # The parts the issue names. A function belongs to a part by name (the manager's and the engine's entry points,
