@@ -126,9 +126,13 @@ async def _op_row(op: str, cache: TieredKVCache, clock: SubmitClock, call, rng, 
                 d[key] = j
         return (time.thread_time() - t0) / calls
 
-    async def sample(i: int) -> tuple[float, float]:
-        """Seconds per call: the loop thread's CPU time, and of it the engine's entry points."""
-        batch = work[i] if op == "store" else [resident[-1 - (k % len(resident))] for k in range(calls)]
+    async def sample(i: int | None) -> tuple[float, float]:
+        """Seconds per call: the loop thread's CPU time, and of it the engine's entry points. Stores take
+        ``work[i]`` (None: keys never seen), loads resident keys."""
+        if op == "store":
+            batch = work[i] if i is not None else [fresh_keys(rng, BATCH, kb) for _ in range(calls)]
+        else:
+            batch = [resident[-1 - (k % len(resident))] for k in range(calls)]
         clock.take()
         t0 = time.thread_time()
         for k, keys in enumerate(batch):
@@ -166,9 +170,9 @@ async def _sections(cache: TieredKVCache, sample, rounds: int, calls: int) -> di
     timer = Sections(cache)
     per: dict[str, list[float]] = {k: [] for k in (*SECTION_NAMES, "engine submit", "rest")}
     try:
-        for i in range(max(3, rounds // 3)):
+        for _ in range(max(3, rounds // 3)):
             timer.take()
-            whole, engine = await sample(i % rounds + 1)
+            whole, engine = await sample(None)
             got = {k: v / calls for k, v in timer.take().items()}
             for k, v in got.items():
                 per[k].append(v)
