@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check in one command (issues 27, 38): install carried wheels, build the native core, run the GPU
 # tests (make test-gpu's set, the slow realistic batch and the ShardCopier tests included), `tiered-kv bench
-# --only gpu --json` (one call in flight and 1-8 in flight, both ways at once, host us per call split into the
-# engine's and the cache's), the end-to-end case at three geometries for every copy path, the direct road (issue 46)
-# included, with calls in flight and host us per submit (scripts/gpu_e2e.py), the
+# --only gpu --json`, the end-to-end case at three geometries for every copy path, the direct road (issue 46)
+# included, with host us per submit (scripts/gpu_e2e.py), the
 # model's compute beside the copies per path (scripts/gpu_compute_beside.py), and
 # the vLLM-free TP=2 ShardCopier bench; write ONE JSON with the device's name, the copy path chosen, GB/s
 # per direction and each case's ratio to one pinned DMA of the same bytes. About 5 minutes on an H200.

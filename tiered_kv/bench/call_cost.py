@@ -189,7 +189,7 @@ async def _sections(cache: TieredKVCache, sample, rounds: int, calls: int) -> di
 # included), so nothing counts twice. What no part claims (the runners' and the loop's own iterations,
 # futures, completion) is "runners+loop".
 NAMED = {
-    "args": ("check_blocks", "compute_for", "check_keys", "check_block_ids"),
+    "args": ("check_blocks", "call_blocks", "store_chain", "compute_for", "check_keys", "check_block_ids"),
     "plan": ("prepare_store", "prepare_load", "plan_load"),
     "engine submit": ("submit_store", "submit_load"),
     "commit": ("complete_store", "complete_load", "finish_load"),

@@ -2,7 +2,7 @@
 
 cProfile's shares (call_cost.profile_parts) overweight code made of many small calls, since the
 profiler's cost is per call. ``Sections`` instead times only the entry points, with ``perf_counter``:
-the argument checks (``check_blocks``, ``compute_for`` as cache.py calls them), the manager's planning
+the argument checks (``check_blocks`` or ``call_blocks``, ``compute_for``, as cache.py calls them), the manager's planning
 and commit, and the metrics' per-call updates. It patches one cache's manager and
 metrics instances and cache.py's two checks for the duration; ``restore`` undoes every patch.
 """
@@ -28,8 +28,9 @@ class Sections:
             self._wrap(cache.metrics, name, "metrics")
         for child in cache.metrics.op_latency.values():
             self._wrap(child, "observe", "metrics")
-        for name in ("check_blocks", "compute_for"):
-            self._wrap(cache_module, name, "args")
+        for name in ("check_blocks", "call_blocks", "compute_for"):  # whichever cache.py calls (call_blocks wraps
+            if hasattr(cache_module, name):  # check_blocks where cache.py has it)
+                self._wrap(cache_module, name, "args")
 
     def _wrap(self, owner: Any, name: str, part: str) -> None:
         orig = getattr(owner, name)
