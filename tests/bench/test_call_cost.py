@@ -92,6 +92,9 @@ def test_the_call_cost_rows_hold_every_figure_for_the_cpu_tier_and_a_disk_write_
         assert set(sections) == {"args", "plan", "commit", "metrics", "engine submit", "rest"}
         assert all(math.isfinite(v) for v in sections.values())
         assert sections["plan"] > 0 and sections["commit"] > 0 and sections["engine submit"] > 0
+    for r in rows[:2]:  # the CPU tier's floor: the same manager and engine with no runner between
+        assert 0 < r["floor_us"] and math.isfinite(r["floor_us"])
+    assert "floor_us" not in rows[2]
     disk_store = rows[2]["profile_us"]["parts"]
     assert disk_store["disk (loop side)"] > 0  # write-through started its disk writes from these stores
     assert rows[0]["profile_us"]["parts"]["disk (loop side)"] < disk_store["disk (loop side)"]

@@ -31,6 +31,7 @@ from ..errors import TieredKVError
 from ..layout import KVLayout
 from ..loops import run as run_loop
 from ..transfer.engines.base import Direction
+from .call_floor import floor_us
 from .counted import CountedEngine, SubmitClock
 from .rig import BATCH, fresh_keys
 from .sections import SECTION_NAMES, Sections
@@ -101,6 +102,12 @@ async def _case(tier: str, policy: str, spill: str | None, path: str, rounds: in
         for op in ("store", "load"):
             row = await _op_row(op, cache, clock, store if op == "store" else load, rng, resident, rounds, calls)
             row.update(tier=tier, policy=policy, spill_policy=spill)
+            if tier == "cpu":  # the same manager and engine with nothing between (call_floor.py)
+                batches = ([fresh_keys(rng, BATCH, kb) for _ in range(3 * calls)] if op == "store"
+                           else [resident[-1 - (k % len(resident))] for k in range(3 * calls)])  # fmt: skip
+                row["floor_us"] = await floor_us(cache, op, batches, ids)
+                if op == "store":  # the newest half of the tier: what the loads read next
+                    resident[:] = batches[-(cpu_calls // 2) :]
             if profile:
                 row["profile_us"] = await profile_parts(store if op == "store" else load, op, rng, kb, resident, calls,
                                                       row["ours_us"]["median"])  # fmt: skip

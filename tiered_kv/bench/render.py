@@ -72,13 +72,14 @@ def _inflight_table(title: str, rows: list[dict], gpu: bool = False) -> Table:
 
 
 def _call_cost(console: Console, rows: list[dict]) -> None:
-    t = Table("case", "ours us", "engine", "cache", "dict loop", "time ratio [q1-q3]", "target",
+    t = Table("case", "ours us", "engine", "cache", "floor", "dict loop", "time ratio [q1-q3]", "target",
               title="the cache's own host time per 64-block call (engine counted, not run; disk: write_through)")  # fmt: skip
     lines = []
     for r in rows:
         case = f"{r['op']} {r['tier']}" + (f" {r['policy']}" if r["tier"] != "cpu" else "")
         t.add_row(case, f"{r['ours_us']['median']:.0f}", f"{r['engine_us']['median']:.0f}",
-                  f"{r['cache_us']['median']:.0f}", f"{r['raw_us']['median']:.1f}", _spread(r["time_ratio"], "{:.1f}"),
+                  f"{r['cache_us']['median']:.0f}", f"{r['floor_us']:.0f}" if "floor_us" in r else "",
+                  f"{r['raw_us']['median']:.1f}", _spread(r["time_ratio"], "{:.1f}"),
                   _verdict(r))  # fmt: skip
         parts = r.get("profile_us", {}).get("parts", {})
         if parts:
