@@ -78,12 +78,11 @@ def judge_inflight(rows: list[dict], link: dict[str, float], peaks: dict[int, di
 def _goal(block_bytes: int, n: int, goals: dict) -> tuple[float | None, str]:
     name = {16 << 10: "16KiB", 256 << 10: "256KiB", 2 << 20: "2MiB"}.get(block_bytes)
     measure = "of_link" if name == "16KiB" else "of_dma"  # 16 KiB: "of the link" (its 1 MiB DMA is itself slow)
-    best = None
-    for depth, goal in goals.get(name, {}).items():
+    for depth, goal in goals.get(name, {}).items():  # "N": exactly N in flight; "N+": N or more
         least = int(depth.rstrip("+"))
-        if (n >= least if depth.endswith("+") else n == least) and (best is None or least > best[0]):
-            best = (least, goal)
-    return (best[1] if best else None), measure
+        if n >= least if depth.endswith("+") else n == least:
+            return goal, measure
+    return None, measure
 
 
 def _dma_peak(block_bytes: int, tries: int = 9) -> dict[str, float]:
