@@ -37,8 +37,10 @@ def test_one_and_n_calls_in_flight_both_ways_and_the_host_split_on_the_host_engi
         # Runs of slots were counted from the calls the engine got: at least one per call, at most a block each.
         assert 1 <= r["slot_runs"]["lo"] <= r["slot_runs"]["hi"] <= 64 and r["slot_runs"]["n"] == 3 * r["inflight"]
     both = rows[-1]
-    for key in ("store_alone_s", "load_alone_s", "both_s"):
+    for key in ("store_alone_s", "load_alone_s", "both_s", "overlap"):
         _finite(both[key])
+    # The pair against the two alone back to back: no bench of two copies makes them 3x slower or 3x faster.
+    assert 0.33 < both["overlap"]["median"] < 3
     # Two copies that ran one after another give 1.0: a pair far slower than that means the bench broke.
     assert 0.2 < both["ratio"]["median"] < 2.5
 

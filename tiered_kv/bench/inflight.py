@@ -11,7 +11,8 @@ store evicting, loads of resident keys):
   it the engine's entry points (``engine``; the host engine's inline memcpy included) and the rest
   (``cache``). ``slot_runs``: runs of consecutive CPU slots per call.
 - a ``both`` row: one store and one load started together against each alone in the same round;
-  ``ratio`` = 2 x the faster direction's time alone / the pair's time (2.0: both directions at full speed).
+  ``ratio`` = 2 x the faster direction's time alone / the pair's time (2.0: both directions at full speed),
+  the issue's "both ways / one way"; ``overlap`` = the two alone back to back / the pair (1.0: no overlap).
 """
 
 from __future__ import annotations
@@ -163,6 +164,8 @@ async def _both(store, load, batches, resident, rng, kb: int, rounds: int) -> di
     return {
         "op": "both", "inflight": 2, "batch": BATCH, "rounds": rounds,
         "ratio": Spread.of([2 * o / p for o, p in zip(one, pair, strict=True)]).as_dict(),
+        # The two alone one after the other / the pair: 1.0 no overlap, 2.0 full (for directions of one speed).
+        "overlap": Spread.of([(s + ld) / p for s, ld, p in zip(alone["store"], alone["load"], pair, strict=True)]).as_dict(),
         "store_alone_s": Spread.of(alone["store"]).as_dict(9), "load_alone_s": Spread.of(alone["load"]).as_dict(9),
         "both_s": Spread.of(pair).as_dict(9),
     }  # fmt: skip

@@ -60,7 +60,7 @@ def _inflight_table(title: str, rows: list[dict], gpu: bool = False) -> Table:
         case = f"{r['op']} {_size(r['block_bytes'])} x{r['regions']}"
         if r["op"] == "both":
             t.add_row(case, "1+1", "", Text(_spread(r["ratio"]) + " of one way"), *(["", ""] if gpu else []),
-                      "", "", "", "", _verdict(r))  # fmt: skip
+                      f"overlap {r['overlap']['median']:.2f}", "", "", "", _verdict(r))  # fmt: skip
             continue
         h = r["host_us"]
         t.add_row(case, str(r["inflight"]), f"{r['ours_gbps']['median']:.2f}",
