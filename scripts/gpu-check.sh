@@ -121,6 +121,8 @@ else:
             key = f"inflight_{row['op']}_{row['block_bytes']}B_x{row['inflight']}"
             gbps[key] = {k: row.get(k) for k in ("of_dma", "of_link", "target_min", "meets_target")}
             gbps[key]["ratio"] = row.get("ratio", {}).get("median")
+            if "overlap" in row:  # both ways: the two alone back to back / the pair
+                gbps[key]["overlap"] = row["overlap"].get("median")
             if "host_us" in row:
                 gbps[key]["host_us"] = {k: v.get("median") for k, v in row["host_us"].items()}
         doc["bench_gpu"] = bench.get("gpu")
