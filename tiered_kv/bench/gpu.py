@@ -39,9 +39,9 @@ def bench_gpu(block_sizes=BLOCK_SIZES, regions=REGIONS, *, inflight: dict | None
     if inflight is not None:
         from .inflight import bench_inflight
 
-        kw = {"block_sizes": INFLIGHT_BLOCK_SIZES, **inflight}
+        settings = {"block_sizes": INFLIGHT_BLOCK_SIZES, **inflight}
         out["link_gbps"] = pinned_dma_gbps(LINK_BYTES)
-        out["inflight"] = judge_inflight(bench_inflight(device="cuda", **kw), out["link_gbps"])
+        out["inflight"] = judge_inflight(bench_inflight(device="cuda", **settings), out["link_gbps"])
     return out
 
 
