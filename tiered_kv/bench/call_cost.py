@@ -35,7 +35,7 @@ from .call_floor import floor_us
 from .counted import CountedEngine, SubmitClock
 from .rig import BATCH, fresh_keys
 from .sections import SECTION_NAMES, Sections
-from .stats import Spread, interleave
+from .stats import Spread, gc_paused, interleave
 
 BLOCK = 4096  # bytes per block: a disk record's own padding, so the disk writes stay small
 CASES = (("cpu", "lru", None), ("disk", "lru", "write_through"), ("disk", "arc", "write_through"),
@@ -127,11 +127,12 @@ async def _op_row(op: str, cache: TieredKVCache, clock: SubmitClock, call, rng, 
 
     async def raw(i: int) -> float:  # the bar: insert the call's 64 keys into a dict
         d.clear()
-        t0 = time.thread_time()
-        for keys in work[i]:
-            for j, key in enumerate(keys):
-                d[key] = j
-        return (time.thread_time() - t0) / calls
+        with gc_paused():
+            t0 = time.thread_time()
+            for keys in work[i]:
+                for j, key in enumerate(keys):
+                    d[key] = j
+            return (time.thread_time() - t0) / calls
 
     async def sample(i: int | None) -> tuple[float, float]:
         """Seconds per call: the loop thread's CPU time, and of it the engine's entry points. Stores take
@@ -141,11 +142,12 @@ async def _op_row(op: str, cache: TieredKVCache, clock: SubmitClock, call, rng, 
         else:
             batch = [resident[-1 - (k % len(resident))] for k in range(calls)]
         clock.take()
-        t0 = time.thread_time()
-        for k, keys in enumerate(batch):
-            await call(keys, k)
-        dt = (time.thread_time() - t0) / calls
-        engine = clock.take() / calls
+        with gc_paused():
+            t0 = time.thread_time()
+            for k, keys in enumerate(batch):
+                await call(keys, k)
+            dt = (time.thread_time() - t0) / calls
+            engine = clock.take() / calls
         await cache._tasks.drain()  # the background disk writes: their loop-side work was counted above
         return dt, engine
 
@@ -222,12 +224,13 @@ async def profile_parts(op_fn, op: str, rng, kb: int, resident: list[list[bytes]
     batch = ([fresh_keys(rng, BATCH, kb) for _ in range(calls)] if op == "store"
              else [resident[-1 - (k % len(resident))] for k in range(calls)])  # fmt: skip
     prof = cProfile.Profile(time.thread_time)
-    prof.enable()
-    t0 = time.thread_time()
-    for k, keys in enumerate(batch):
-        await op_fn(keys, k)
-    whole = time.thread_time() - t0
-    prof.disable()
+    with gc_paused():
+        prof.enable()
+        t0 = time.thread_time()
+        for k, keys in enumerate(batch):
+            await op_fn(keys, k)
+        whole = time.thread_time() - t0
+        prof.disable()
     stats = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tt, ct, callers)
     out: dict[str, float] = dict.fromkeys(PARTS, 0.0)
     memo: dict[tuple, str | None] = {}

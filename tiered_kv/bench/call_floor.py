@@ -15,6 +15,7 @@ from typing import Any
 
 from ..cache_args import check_blocks
 from ..errors import TieredKVError
+from .stats import gc_paused
 
 
 async def floor_call(cache: Any, op: str, keys: list[bytes], gpu_block_ids: list[int]) -> int:
@@ -44,9 +45,10 @@ async def floor_us(cache: Any, op: str, batches: list[list[bytes]], ids: list[li
     per: list[float] = []
     for s in range(samples):
         work = batches[s * len(batches) // samples : (s + 1) * len(batches) // samples]
-        t0 = time.thread_time()
-        for k, keys in enumerate(work):
-            if await floor_call(cache, op, keys, ids[k % len(ids)]) != len(keys):
-                raise TieredKVError(f"bench: a {op} at the floor moved fewer than its {len(keys)} blocks")
-        per.append((time.thread_time() - t0) / max(1, len(work)))
+        with gc_paused():
+            t0 = time.thread_time()
+            for k, keys in enumerate(work):
+                if await floor_call(cache, op, keys, ids[k % len(ids)]) != len(keys):
+                    raise TieredKVError(f"bench: a {op} at the floor moved fewer than its {len(keys)} blocks")
+            per.append((time.thread_time() - t0) / max(1, len(work)))
     return round(statistics.median(per) * 1e6, 2)

@@ -1,8 +1,8 @@
 """Timed sections around the entry points of a call's parts, without a profiler (call_cost's second view).
 
 cProfile's shares (call_cost.profile_parts) overweight code made of many small calls, since the
-profiler's cost is per call. ``Sections`` instead times only the entry points, with ``perf_counter``:
-the argument checks (``check_blocks`` or ``call_blocks``, ``compute_for``, as cache.py calls them), the manager's planning
+profiler's cost is per call. ``Sections`` instead times only the entry points, on the loop thread's CPU
+clock as the call itself is timed (less the clock's own cost): the argument checks (``check_blocks`` or ``call_blocks``, ``compute_for``, as cache.py calls them), the manager's planning
 and commit, and the metrics' per-call updates. It patches one cache's manager and
 metrics instances and cache.py's two checks for the duration; ``restore`` undoes every patch.
 """
@@ -20,6 +20,8 @@ SECTION_NAMES = ("args", "plan", "commit", "metrics")
 class Sections:
     def __init__(self, cache: Any) -> None:
         self.seconds = dict.fromkeys(SECTION_NAMES, 0.0)
+        self.counts = dict.fromkeys(SECTION_NAMES, 0)
+        self.overhead = _clock_cost()
         self._undo: list[tuple[Any, str, Any, bool]] = []
         for name, part in (("prepare_store", "plan"), ("prepare_load", "plan"), ("complete_store", "commit"),
                            ("complete_load", "commit")):  # fmt: skip
@@ -34,8 +36,8 @@ class Sections:
 
     def _wrap(self, owner: Any, name: str, part: str) -> None:
         orig = getattr(owner, name)
-        seconds = self.seconds
-        clock = time.perf_counter  # 0.09 us a read; the thread's CPU clock costs 0.85 (a syscall)
+        seconds, counts = self.seconds, self.counts
+        clock = time.thread_time  # not perf_counter: the disk's threads preempt the loop, and that is not its cost
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = clock()
@@ -43,15 +45,16 @@ class Sections:
                 return orig(*args, **kwargs)
             finally:
                 seconds[part] += clock() - t0
+                counts[part] += 1
 
         self._undo.append((owner, name, orig, name in vars(owner)))
         setattr(owner, name, timed)
 
     def take(self) -> dict[str, float]:
-        """Seconds per section since the last take."""
-        out = dict(self.seconds)
+        """Seconds per section since the last take, less the clock's own cost (one read per timed call)."""
+        out = {k: max(0.0, v - self.counts[k] * self.overhead) for k, v in self.seconds.items()}
         for k in self.seconds:
-            self.seconds[k] = 0.0
+            self.seconds[k], self.counts[k] = 0.0, 0
         return out
 
     def restore(self) -> None:
@@ -61,3 +64,13 @@ class Sections:
             else:  # a method: drop the instance's shadow
                 delattr(owner, name)
         self._undo.clear()
+
+
+def _clock_cost(reads: int = 2000) -> float:
+    """Seconds one ``thread_time`` read adds to a section (it is a system call, about 0.5-1 us)."""
+    clock = time.thread_time
+    t0 = clock()
+    for _ in range(reads):
+        clock()
+    return (clock() - t0) / reads
+
