@@ -29,7 +29,7 @@ from ..transfer.engines.base import Direction
 from .counted import SubmitClock
 from .raw import Batch, RawCopies
 from .rig import BATCH, engine_tensors, fresh_keys, open_cache
-from .stats import Spread, compare, fastest, interleave
+from .stats import Spread, compare, fastest, gc_paused, interleave
 
 DEPTHS = (1, 2, 4, 8)
 BLOCK_SIZES = (16 << 10, 256 << 10)  # the GPU section adds 2 MiB
@@ -109,11 +109,12 @@ async def _depth(op, n, call, cands, raw, batches, next_first, resident, clock, 
     def sampler(fn):
         async def run(i: int) -> float:
             firsts = [next_first() for _ in work[i]]
-            t0 = time.perf_counter()
-            for b, a in zip(work[i], firsts, strict=True):
-                fn(b, a)
-            raw.finish()
-            return time.perf_counter() - t0
+            with gc_paused():
+                t0 = time.perf_counter()
+                for b, a in zip(work[i], firsts, strict=True):
+                    fn(b, a)
+                raw.finish()
+                return time.perf_counter() - t0
 
         return run
 
@@ -122,10 +123,11 @@ async def _depth(op, n, call, cands, raw, batches, next_first, resident, clock, 
         keys = ([fresh_keys(rng, BATCH, kb) for _ in range(n)] if op == "store"
                 else [resident[(i * n + k) % len(resident)] for k in range(n)])  # fmt: skip
         clock.take()
-        c0, t0 = time.thread_time(), time.perf_counter()
-        await asyncio.gather(*(call(k, b) for k, b in zip(keys, work[i], strict=True)))
-        dt = time.perf_counter() - t0
-        host.append((time.thread_time() - c0, clock.take()))
+        with gc_paused():
+            c0, t0 = time.thread_time(), time.perf_counter()
+            await asyncio.gather(*(call(k, b) for k, b in zip(keys, work[i], strict=True)))
+            dt = time.perf_counter() - t0
+            host.append((time.thread_time() - c0, clock.take()))
         return dt
 
     raw_s, ours_s = await interleave({name: sampler(fn) for name, fn in cands.items()}, ours, rounds)
