@@ -117,6 +117,14 @@ else:
             key = f"cache_{row['op']}_{row['block_bytes']}B_{row['regions']}regions"  # store: D2H, load: H2D
             gbps[key] = {"ours": row.get("ours_gbps", {}).get("median"), "raw": row.get("raw_gbps", {}).get("median"),
                          "pinned_dma": row.get("pinned_dma_gbps")}
+        for row in bench.get("gpu", {}).get("inflight", []):  # calls in flight, both ways at once (issue 46)
+            key = f"inflight_{row['op']}_{row['block_bytes']}B_x{row['inflight']}"
+            gbps[key] = {k: row.get(k) for k in ("of_dma", "of_link", "target_min", "meets_target")}
+            gbps[key]["ratio"] = row.get("ratio", {}).get("median")
+            if "overlap" in row:  # both ways: the two alone back to back / the pair
+                gbps[key]["overlap"] = row["overlap"].get("median")
+            if "host_us" in row:
+                gbps[key]["host_us"] = {k: v.get("median") for k, v in row["host_us"].items()}
         doc["bench_gpu"] = bench.get("gpu")
     except (OSError, ValueError, KeyError) as exc:
         doc["bench_gpu_error"] = repr(exc)
@@ -126,8 +134,9 @@ else:
         for row in e2e.get("cases", []):
             if "store_gbps" in row:
                 key = f"e2e_{row['geometry']}_{row['copy_path']}"
-                gbps[key] = {k: row[k] for k in ("store_gbps", "load_gbps", "both_gbps", "store_of_dma", "load_of_dma",
-                                                 "both_of_one_direction", "bytes_equal")}
+                gbps[key] = {k: row.get(k) for k in ("store_gbps", "load_gbps", "both_gbps", "store_of_dma", "load_of_dma",
+                                                     "both_of_one_direction", "bytes_equal", "store_inflight_of_dma",
+                                                     "load_inflight_of_dma")}
     except (OSError, ValueError, KeyError) as exc:
         doc["e2e_error"] = repr(exc)
     try:  # scripts/gpu_compute_beside.py: the model's compute beside the copies, per copy path

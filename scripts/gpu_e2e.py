@@ -10,8 +10,8 @@ Geometries (2 MiB blocks: 16 tokens x 8 KV heads x 128 dims in bf16 = 32 KiB per
 Per geometry and copy path (direct, table, table-direct, groups: ``TIERED_KV_COPY_PATH``; ``direct`` is
 forced at the 32 KiB-region geometries too, for comparison): 64-block calls with
 scattered GPU ids, stores of fresh keys (each evicts once the tier is full), loads of resident keys, and
-stores beside loads at once; GB/s, and the ratio to one pinned DMA of the same bytes measured in the
-same run. After the timing, one stored and reloaded batch is checked byte for byte.
+stores beside loads at once, and 1, 2, 4 and 8 calls in flight (started together, disjoint GPU ids);
+GB/s, and the ratio to one pinned DMA of the same bytes measured in the same run. After the timing, one stored and reloaded batch is checked byte for byte.
 
     python scripts/gpu_e2e.py --json OUT.json [--calls 12]
 
@@ -39,6 +39,7 @@ LAYERS, TOKENS, HEADS, DIM = 32, 16, 8, 128
 REGION = TOKENS * HEADS * DIM * 2  # bf16: 32 KiB
 BLOCK = 2 * LAYERS * REGION  # 2 MiB
 BATCH = 64
+INFLIGHT = (1, 2, 4, 8)  # calls in flight at once (issue 46: latency at 1, throughput above)
 
 
 def tensors(geometry: str, num_blocks: int) -> tuple[dict[str, torch.Tensor], int]:
@@ -106,6 +107,31 @@ async def case(geometry: str, path: str, calls: int, num_blocks: int, cpu_calls:
                     await fn()
                 times.append(time.perf_counter() - t0)
             out[f"{name}_gbps"] = round(per * nbytes / statistics.median(times) / 1e9, 2)
+        # Calls in flight (issue 46): N calls started together, disjoint GPU ids, GB/s over the N calls' bytes.
+        for name in ("store", "load"):
+            out[f"{name}_inflight_gbps"] = {}
+            for n in INFLIGHT:
+                times = []
+                for _ in range(max(3, calls // 2)):
+                    perm = rng.permutation(num_blocks)
+                    sets = [perm[i * BATCH : (i + 1) * BATCH].tolist() for i in range(n)]
+                    if name == "store":
+                        keys = [fresh_keys(rng, BATCH, kb) for _ in range(n)]
+                        calls_ = [cache.store(k, g) for k, g in zip(keys, sets, strict=True)]
+                    else:
+                        pick = [resident[-1 - (i % len(resident))] for i in range(n)]
+                        calls_ = [cache.load(k, g) for k, g in zip(pick, sets, strict=True)]
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    got = await asyncio.gather(*calls_)
+                    times.append(time.perf_counter() - t0)
+                    moved = [g.stored if name == "store" else g for g in got]
+                    if moved != [BATCH] * n:
+                        raise RuntimeError(f"{n} {name}s in flight moved {moved} blocks, expected {BATCH} each")
+                    if name == "store":
+                        resident.extend(keys)
+                        del resident[: -cpu_calls // 2]
+                out[f"{name}_inflight_gbps"][str(n)] = round(n * nbytes / statistics.median(times) / 1e9, 2)
         # Bytes: store a batch from scattered ids, load it into other scattered ids, compare every region.
         keys, a = fresh_keys(rng, BATCH, kb), ids()
         await cache.store(keys, a)
@@ -125,7 +151,7 @@ async def host_us(path: str, n_regions: int, calls: int = 30) -> dict:
 
     nb, width = 256, BLOCK // n_regions
     gpu = [torch.zeros((nb, width), dtype=torch.uint8, device="cuda") for _ in range(n_regions)]
-    slab = torch.zeros((2 * BATCH, BLOCK), dtype=torch.uint8).pin_memory()
+    slab = torch.zeros((4 * BATCH, BLOCK), dtype=torch.uint8).pin_memory()  # 4 calls in flight, disjoint slots
     cpu = list(torch.split(slab, [width] * n_regions, dim=1))
     rng = np.random.default_rng(n_regions)
     out: dict = {"copy_path": path, "regions": n_regions}
@@ -142,6 +168,18 @@ async def host_us(path: str, n_regions: int, calls: int = 30) -> dict:
                 trips.append((time.perf_counter() - t0) * 1e6)
             out[f"{name}_host_us"] = round(statistics.median(times[2:]), 1)
             out[f"{name}_round_trip_us"] = round(statistics.median(trips[2:]), 1)
+            # The engine alone with 4 calls in flight (disjoint ids), per call: beside the cache's own rows
+            # (bench --only gpu, inflight) this separates the engine's time per call from the cache's.
+            per = []
+            for _ in range(max(3, calls // 4)):
+                g, s = rng.permutation(nb)[: 4 * BATCH], rng.permutation(4 * BATCH)
+                parts = [(g[i * BATCH : (i + 1) * BATCH], s[i * BATCH : (i + 1) * BATCH]) for i in range(4)]
+                t0 = time.perf_counter()
+                hs = [engine.submit_store(a, b) if name == "store" else engine.submit_load(b, a) for a, b in parts]
+                for h in hs:
+                    await h
+                per.append((time.perf_counter() - t0) * 1e6 / 4)
+            out[f"{name}_x4_us_per_call"] = round(statistics.median(per), 1)
     return out
 
 
@@ -169,13 +207,16 @@ def main() -> int:
                 doc["cases"].append({"geometry": geometry, "copy_path": path, "skipped": "triton not importable"})
                 continue
             try:
-                row = asyncio.run(case(geometry, path, a.calls, a.num_blocks, 8))
+                row = asyncio.run(case(geometry, path, a.calls, a.num_blocks, 4 * max(INFLIGHT)))  # 8 in flight fit
             except Exception as exc:  # one path failing must not hide the others' figures
                 row = {"geometry": geometry, "copy_path": path, "error": repr(exc)}
             if "store_gbps" in row:
                 row["store_of_dma"] = round(row["store_gbps"] / dma["d2h"], 3)
                 row["load_of_dma"] = round(row["load_gbps"] / dma["h2d"], 3)
                 row["both_of_one_direction"] = round(row["both_gbps"] / max(row["store_gbps"], row["load_gbps"]), 3)
+                for name, way in (("store", "d2h"), ("load", "h2d")):
+                    row[f"{name}_inflight_of_dma"] = {n: round(g / dma[way], 3)
+                                                      for n, g in row[f"{name}_inflight_gbps"].items()}  # fmt: skip
             doc["cases"].append(row)
             print(json.dumps(row), flush=True)
             torch.cuda.empty_cache()

@@ -85,3 +85,33 @@ def test_plan_and_check_config_cli(capsys, tmp_path):
     assert "tiers.cpu.capacity" in capsys.readouterr().err
     assert main(["check-config", "configs/cpu-only.yaml", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ok"] is True
+
+
+@pytest.mark.slow
+def test_bench_only_inflight_and_call_cost_print_their_sections(capsys):
+    from rich.console import Console
+
+    from tiered_kv.bench.render import render
+
+    assert main(["bench", "--quick", "--json", "--only", "inflight", "--only", "call_cost"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"meta", "targets", "inflight", "call_cost"}
+    inflight = out["inflight"]
+    assert {(r["op"], r["inflight"]) for r in inflight} == {("store", 1), ("store", 2), ("load", 1), ("load", 2),
+                                                             ("both", 2)}  # fmt: skip
+    for r in inflight:
+        _finite_spread(r["ratio"])
+    cost = out["call_cost"]
+    assert [(r["op"], r["tier"], r["policy"]) for r in cost] == [
+        (op, tier, policy) for tier, policy in (("cpu", "lru"), ("disk", "lru"), ("disk", "arc"), ("disk", "window"))
+        for op in ("store", "load")]  # fmt: skip
+    for r in cost:
+        _finite_spread(r["time_ratio"])  # the bar: a dict-insert loop of the call's 64 keys
+        assert r["target_max"] == out["targets"]["call_cost_cache_us_max"] == 100
+        assert r["meets_target"] == (r["cache_us"]["median"] <= 100)
+    console = Console(record=True, width=160)
+    render(out, console)
+    text = console.export_text()
+    assert "calls in flight through TieredKVCache" in text and "store 16K x8" in text and "of one way" in text
+    assert "the cache's own host time per 64-block call" in text and "store disk window" in text
+    assert "load cpu: " in text and "runners+loop" in text  # the parts, per case

@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p = add("bench", cmd_bench, "throughput ratios against the raw operation, in one run")
     p.add_argument("--quick", action="store_true", help="a fast smoke run: smaller cases, same method (for tests)")
-    p.add_argument("--only", choices=["cache", "disk", "lookup", "memory", "host", "gpu"], action="append",
+    p.add_argument("--only", choices=["cache", "disk", "lookup", "memory", "host", "inflight", "call_cost", "gpu"], action="append",
                    help="run only this section (repeatable); default: all, gpu where CUDA is available")
     p.add_argument("--dir", help="directory for the disk section's files (default: the system temp directory)")
     return parser

@@ -72,3 +72,24 @@ def test_interleave_alternates_sides_and_drops_the_warmup():
 
 def test_fastest_picks_the_lowest_median():
     assert fastest({"steady": [2.0, 2.0, 2.0], "erratic": [0.5, 9.0, 9.0], "quick": [1.0, 1.5, 30.0]}) == "quick"
+
+
+def test_a_sample_runs_with_the_cyclic_gc_paused_and_restored():
+    import gc
+
+    from tiered_kv.bench.stats import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(ValueError), gc_paused():  # restored on the way out of a failing sample too
+        raise ValueError("x")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # a caller's own choice is left as it was
+    finally:
+        gc.enable()

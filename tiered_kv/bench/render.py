@@ -52,6 +52,45 @@ def _copy_table(title: str, rows: list[dict], extra: str | None = None) -> Table
     return t
 
 
+def _inflight_table(title: str, rows: list[dict], gpu: bool = False) -> Table:
+    """Calls in flight: ratio to raw per round (N = 1: latency; more: throughput), host us per call and its split."""
+    t = Table("case", "in flight", "ours GB/s", "ratio [q1-q3]", *(["of DMA", "of link"] if gpu else []),
+              "host us/call", "engine", "cache", "slot runs", "target", title=title)  # fmt: skip
+    for r in rows:
+        case = f"{r['op']} {_size(r['block_bytes'])} x{r['regions']}"
+        if r["op"] == "both":
+            t.add_row(case, "1+1", "", Text(_spread(r["ratio"]) + " of one way"), *(["", ""] if gpu else []),
+                      f"overlap {r['overlap']['median']:.2f}", "", "", "", _verdict(r))  # fmt: skip
+            continue
+        h = r["host_us"]
+        t.add_row(case, str(r["inflight"]), f"{r['ours_gbps']['median']:.2f}",
+                  Text(_spread(r["ratio"]), style="bold red" if "warning" in r else ""),
+                  *([f"{r['of_dma']:.2f}", f"{r['of_link']:.2f}"] if gpu else []),
+                  f"{h['whole']['median']:.0f}", f"{h['engine']['median']:.0f}", f"{h['cache']['median']:.0f}",
+                  f"{r['slot_runs']['median']:g}", _verdict(r))  # fmt: skip
+    return t
+
+
+def _call_cost(console: Console, rows: list[dict]) -> None:
+    t = Table("case", "ours us", "engine", "cache", "floor", "dict loop", "time ratio [q1-q3]", "target",
+              title="the cache's own host time per 64-block call (engine counted, not run; disk: write_through)")  # fmt: skip
+    lines = []
+    for r in rows:
+        case = f"{r['op']} {r['tier']}" + (f" {r['policy']}" if r["tier"] != "cpu" else "")
+        t.add_row(case, f"{r['ours_us']['median']:.0f}", f"{r['engine_us']['median']:.0f}",
+                  f"{r['cache_us']['median']:.0f}", f"{r['floor_us']:.0f}" if "floor_us" in r else "",
+                  f"{r['raw_us']['median']:.1f}", _spread(r["time_ratio"], "{:.1f}"),
+                  _verdict(r))  # fmt: skip
+        parts = r.get("profile_us", {}).get("parts", {})
+        if parts:
+            lines.append(f"  {case}: " + ", ".join(f"{k} {v:.0f}" for k, v in parts.items() if v >= 0.5))
+    console.print(t)
+    if lines:
+        console.print("parts of a call, us (cProfile's shares of the figure above):")
+        for line in lines:
+            console.print(line)
+
+
 def _warnings(console: Console, rows: list[dict], section: str) -> None:
     for r in rows:
         if "warning" in r:
@@ -114,6 +153,12 @@ def render(result: dict[str, Any], console: Console | None = None) -> None:
                           f"({row['table_launches_per_call']:.0f} vs {row['group_launches_per_call']} launches a chunk)")
         console.print(Text.assemble(f"host time, table / per-group at {r['rows'][-1]['regions']} regions: "
                                     f"{r['time_ratio_at_most_regions']:.2f} ", _verdict(r)))  # fmt: skip
+    if "inflight" in result:
+        console.print(_inflight_table("calls in flight through TieredKVCache vs the raw copies of the same batches "
+                                      "(host engine)", result["inflight"]))  # fmt: skip
+        _warnings(console, [r for r in result["inflight"] if r["op"] != "both"], "inflight")
+    if "call_cost" in result:
+        _call_cost(console, result["call_cost"])
     gpu = result.get("gpu")
     if gpu is not None:
         if "skipped" in gpu:
@@ -122,3 +167,6 @@ def render(result: dict[str, Any], console: Console | None = None) -> None:
             console.print(_copy_table(f"gpu ({gpu['device']}): store (D2H) / load (H2D) through the CUDA engine "
                                       f"vs the fastest raw pinned copy", gpu["rows"], extra="1 DMA GB/s"))  # fmt: skip
             _warnings(console, gpu["rows"], "gpu")
+            if "inflight" in gpu:
+                console.print(_inflight_table(f"gpu ({gpu['device']}): calls in flight through the CUDA engine",
+                                              gpu["inflight"], gpu=True))  # fmt: skip

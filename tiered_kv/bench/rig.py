@@ -37,18 +37,22 @@ def cache_config(block_bytes: int, num_blocks: int, cpu_slots: int, device: str,
         "tiers": {"cpu": {"capacity": cpu_slots * block_bytes, "pin_memory": "on" if cuda else "off"},
                   "disk": {"enabled": False}},
         "transfer": {"engine": "cuda" if cuda else "host",
-                     "max_inflight_bytes": max(256 << 20, 4 * BATCH * block_bytes)},
+                     # 8 calls in flight at once (bench.inflight), not held back by the byte budget
+                     "max_inflight_bytes": max(256 << 20, 8 * BATCH * block_bytes)},
     }  # fmt: skip
     if disk_dir is not None:
         cfg["tiers"]["disk"] = {"enabled": True, "path": disk_dir, "capacity": disk_slots * block_bytes}
     return cfg
 
 
-def open_cache(gpu: list[torch.Tensor], block_bytes: int, cpu_slots: int, device: str, **disk) -> TieredKVCache:
-    """The cache (not started yet: ``async with`` it) over ``gpu``, one region per tensor."""
+def open_cache(gpu: list[torch.Tensor], block_bytes: int, cpu_slots: int, device: str, *, engine_factory=None,
+               **disk) -> TieredKVCache:  # fmt: skip
+    """The cache (not started yet: ``async with`` it) over ``gpu``, one region per tensor; ``engine_factory``
+    as TieredKVCache takes it (None: the engine the config names)."""
     num_blocks = int(gpu[0].shape[0])
     layout = KVLayout.from_tensors({f"region{r:03d}": t for r, t in enumerate(gpu)}, num_blocks, block_dim=0)
-    return TieredKVCache(cache_config(block_bytes, num_blocks, cpu_slots, device, **disk), layout)
+    return TieredKVCache(cache_config(block_bytes, num_blocks, cpu_slots, device, **disk), layout,
+                         engine_factory=engine_factory)
 
 
 def fresh_keys(rng: np.random.Generator, n: int, key_bytes: int) -> list[bytes]:

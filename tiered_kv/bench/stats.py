@@ -10,8 +10,10 @@ one with the best median over the whole run.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import statistics
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 from ..errors import TieredKVError
@@ -99,3 +101,18 @@ async def interleave(raws: dict[str, Sampler], ours: Sampler, rounds: int, *,
 def fastest(raw_s: dict[str, list[float]]) -> str:
     """The raw candidate with the lowest median time: the reference the ratios are taken against."""
     return min(raw_s, key=lambda name: statistics.median(raw_s[name]))
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic GC off for one timed sample (as ``timeit`` does): a full collection over a heap holding
+    torch and numpy costs milliseconds, and landing in one part of a 200 us call it would be read as that
+    part's cost. Each side of a comparison is sampled the same way."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
