@@ -253,11 +253,6 @@ class ProxyCopyEngine:
             _settle(e, f"job {e.job.job_id} ({e.job.direction} of {len(e.job)} blocks) abandoned: {why}")
         return len(gone)
 
-    def forget_request(self, req_id: str) -> None:
-        """Drop a cancelled tag (its request is gone for good, e.g. at ``request_finished``)."""
-        with self._lock:
-            self._cancelled.pop(req_id, None)
-
     def unfinished(self, req_id: str) -> int:
         """Jobs of the request queued or sent and not yet resolved (e.g. for delayed freeing)."""
         with self._lock:
