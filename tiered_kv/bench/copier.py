@@ -148,7 +148,7 @@ def run_rank(rank: int, world: int, engine: str, shm: str, plan: list[tuple[int,
         path = copier.copy_path
     finally:
         copier.close()
-    return {"device": str(dev), "copy_path": path, "cases": out, "bytes_equal": equal}
+    return {"device": str(dev), "pid": os.getpid(), "copy_path": path, "cases": out, "bytes_equal": equal}
 
 
 def summarize(per_rank: dict[int, dict], plan: list[tuple[int, int]]) -> list[dict]:
@@ -160,7 +160,7 @@ def summarize(per_rank: dict[int, dict], plan: list[tuple[int, int]]) -> list[di
                 f = res["cases"][i]["figures"][direction]
                 nbytes = size * k
                 ratios = [raw / ours for raw, ours in zip(f["raw"], f["ours"], strict=True)]
-                ranks.append({"rank": rank, "device": res["device"],
+                ranks.append({"rank": rank, "device": res["device"], "pid": res["pid"],
                               "ours_gbps": round(nbytes / statistics.median(f["ours"]) / 1e9, 3),
                               "raw_gbps": round(nbytes / statistics.median(f["raw"]) / 1e9, 3),
                               "ratio": round(statistics.median(ratios), 3),
