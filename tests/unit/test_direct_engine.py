@@ -232,20 +232,23 @@ def test_counted_copies_need_no_loop_and_wait_with_the_gil_released():
     engine = CountedDirectEngine(gpu, cpu, driver="fake:13000")
     assert isinstance(engine, CountedCopies)
     stream = engine.stream_handle(Direction.STORE)
-    fake.hold(stream)
-    seq = engine.start_copy(Direction.STORE, np.array([3, 4]), np.array([0, 1]))
-    assert engine.copies_done(Direction.STORE) == (0, {}) and not engine.wait_copies(Direction.STORE, seq, 0.05)
-    assert not cpu[0][:2].any()
-    released = []
-    releaser = threading.Timer(0.1, lambda: (released.append(time.monotonic()), fake.hold(stream, False)))
-    releaser.start()  # runs Python while this thread waits: the wait does not hold the GIL
-    assert engine.wait_copies(Direction.STORE, seq, 10)
-    assert released and torch.equal(cpu[0][:2], gpu[0][3:5])
-    assert engine.copies_done(Direction.STORE) == (seq, {})
-    fake.fail_batches(1)
-    bad = engine.start_copy(Direction.LOAD, np.array([0]), np.array([9]))
-    assert engine.wait_copies(Direction.LOAD, bad, 10)
-    done, failed = engine.copies_done(Direction.LOAD)
-    assert done == bad and "cuMemcpyBatchAsync of 1 copies failed" in failed[bad]
-    engine.close_copies()
+    try:
+        fake.hold(stream)
+        seq = engine.start_copy(Direction.STORE, np.array([3, 4]), np.array([0, 1]))
+        assert engine.copies_done(Direction.STORE) == (0, {}) and not engine.wait_copies(Direction.STORE, seq, 0.05)
+        assert not cpu[0][:2].any()
+        released = []
+        releaser = threading.Timer(0.1, lambda: (released.append(time.monotonic()), fake.hold(stream, False)))
+        releaser.start()  # runs Python while this thread waits: the wait does not hold the GIL
+        assert engine.wait_copies(Direction.STORE, seq, 10)
+        assert released and torch.equal(cpu[0][:2], gpu[0][3:5])
+        assert engine.copies_done(Direction.STORE) == (seq, {})
+        fake.fail_batches(1)
+        bad = engine.start_copy(Direction.LOAD, np.array([0]), np.array([9]))
+        assert engine.wait_copies(Direction.LOAD, bad, 10)
+        done, failed = engine.copies_done(Direction.LOAD)
+        assert done == bad and "cuMemcpyBatchAsync of 1 copies failed" in failed[bad]
+    finally:
+        fake.hold(stream, False)  # a failed check must not leave the copier's thread waiting on a held stream
+        engine.close_copies()
     assert engine.closed
