@@ -66,6 +66,8 @@ class _Entry:
 class ProxyCopyEngine:
     """Queues jobs for the workers and resolves them from the ranks' reports (see the module docstring)."""
 
+    copy_path: str | None = None  # the ranks' engines choose theirs (ShardCopier.copy_path); CopyEngine's attribute
+
     def __init__(self, world_size: int, num_blocks: int, num_slots: int, *, bytes_per_block: int = 0,
                  report_timeout_s: float = 60.0, on_job: Callable[[], None] | None = None) -> None:  # fmt: skip
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
