@@ -86,6 +86,7 @@ class ShardCopier:
         # Per direction, in start order: (the engine's sequence number, job id) not yet seen finished.
         self._inflight: dict[Direction, deque[tuple[int, int]]] = {d: deque() for d in Direction}
         self._layered: set[int] = set()  # layered loads' jobs not finished (their thread reports them)
+        self._failures: dict[Direction, dict[int, str]] = {d: {} for d in Direction}  # seq -> error, read, unmatched
         self._closed = False
 
     # -- setup ------------------------------------------------------------------------------
@@ -259,12 +260,14 @@ class ShardCopier:
             return
         for direction, queue in self._inflight.items():
             if not queue:
-                continue
+                continue  # (a failure of a job not queued yet stays with the engine until it is)
             done, failed = self._engine.copies_done(direction)
+            failures = self._failures[direction]
+            failures.update(failed)  # kept until matched: a job may be queued here just after its copy ended
             while queue and queue[0][0] <= done:
                 seq, job_id = queue.popleft()
-                if seq in failed:
-                    log.error("tiered_kv rank %d: job %d failed: %s", self.rank, job_id, failed[seq])
+                if seq in failures:
+                    log.error("tiered_kv rank %d: job %d failed: %s", self.rank, job_id, failures.pop(seq))
                     self._failed.append(job_id)
                 else:
                     self._ok.append(job_id)
