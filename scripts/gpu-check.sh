@@ -4,7 +4,8 @@
 # --only gpu --json`, the end-to-end case at three geometries for every copy path, the direct road (issue 46)
 # included, with host us per submit (scripts/gpu_e2e.py), the
 # model's compute beside the copies per path (scripts/gpu_compute_beside.py), and
-# the vLLM-free TP=2 ShardCopier bench; write ONE JSON with the device's name, the copy path chosen, GB/s
+# the vLLM-free TP=2 ShardCopier bench (ranks as threads, as before), the ShardCopier with a process per rank
+# blocking in wait(), 16 and 64 MiB jobs, 1 and 2 in flight (python -m tiered_kv.bench.copier); write ONE JSON with the device's name, the copy path chosen, GB/s
 # per direction and each case's ratio to one pinned DMA of the same bytes. About 5 minutes on an H200.
 #
 #   scripts/gpu-check.sh [OUT_DIR]        (default: ./gpu-check; the JSON is OUT_DIR/gpu-check.json)
@@ -93,6 +94,7 @@ step e2e e2e.log "$PY" scripts/gpu_e2e.py --json "$OUT/e2e.json"
 step compute-beside compute-beside.log "$PY" scripts/gpu_compute_beside.py --json "$OUT/compute-beside.json"
 step shard-bench shard-bench.log "$PY" scripts/bench_shard_copier.py --world 2 --engine cuda \
     --json "$OUT/shard-bench.json"
+step copier-bench copier-bench.log "$PY" -m tiered_kv.bench.copier --engine cuda --json "$OUT/copier-bench.json"
 
 RESULTS="$(for k in "${!RC[@]}"; do printf '%s=%s\n' "$k" "${RC[$k]}"; done)"
 CUDA="$CUDA" CUDA_INFO="$CUDA_INFO" OUT="$OUT" RESULTS="$RESULTS" "$PY" - <<'PY'
@@ -149,6 +151,15 @@ else:
         doc["shard_bench"] = shard
     except (OSError, ValueError, KeyError) as exc:
         doc["shard_bench_error"] = repr(exc)
+    try:  # a process per rank, wait() not polling: ratio per rank to one pinned DMA of the same bytes
+        copier = json.loads((out / "copier-bench.json").read_text())
+        doc["copier_bench"] = copier
+        for row in copier["cases"]:
+            key = f"shard_copier_procs_{row['direction']}_{row['job_mib']}MiB_{row['inflight']}inflight"
+            gbps[key] = {"per_rank": [r["ours_gbps"] for r in row["per_rank"]], "sum": row["sum_gbps"],
+                         "min_ratio_to_dma": row["min_ratio"], "shared_link": copier["shared_link"]}
+    except (OSError, ValueError, KeyError) as exc:
+        doc["copier_bench_error"] = repr(exc)
     doc["gbps"] = gbps
     try:  # the copy path the cache chose at start (the bench's rows name it too)
         doc["copy_path"] = next(r.get("copy_path") for r in doc["bench_gpu"]["rows"])

@@ -8,6 +8,7 @@ cancellation) runs over this engine too, as "direct-fake" in test_transfer.py.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import numpy as np
@@ -17,7 +18,8 @@ import torch
 from tiered_kv.core import core
 from tiered_kv.errors import ConfigError, LayoutError, TransferError
 from tiered_kv.transfer import cuda_engine
-from tiered_kv.transfer.engines.base import Direction
+from tiered_kv.transfer.engines.base import CountedCopies, Direction
+from tiered_kv.transfer.engines.counted import CountedDirectEngine
 from tiered_kv.transfer.engines.direct import DIRECT_MIN_ROW, DirectCopyEngine, RawHandle, direct_eligible
 
 fake = core.fake_cuda
@@ -222,3 +224,31 @@ def test_which_layouts_take_the_direct_road():
         cuda_engine(one, [strided_cpu], copy_path="direct")
     with pytest.raises(LayoutError, match="gpu region 0 is on cpu"):  # the real driver needs CUDA tensors
         cuda_engine(one, [torch.zeros(4, 64, dtype=torch.uint8)], copy_path="direct")
+
+
+def test_counted_copies_need_no_loop_and_wait_with_the_gil_released():
+    """The worker's loop-free mode (CountedDirectEngine, base.CountedCopies): counters, a blocking wait."""
+    gpu, cpu = regions("packed")
+    engine = CountedDirectEngine(gpu, cpu, driver="fake:13000")
+    assert isinstance(engine, CountedCopies)
+    stream = engine.stream_handle(Direction.STORE)
+    try:
+        fake.hold(stream)
+        seq = engine.start_copy(Direction.STORE, np.array([3, 4]), np.array([0, 1]))
+        assert engine.copies_done(Direction.STORE) == (0, {}) and not engine.wait_copies(Direction.STORE, seq, 0.05)
+        assert not cpu[0][:2].any()
+        released = []
+        releaser = threading.Timer(0.1, lambda: (released.append(time.monotonic()), fake.hold(stream, False)))
+        releaser.start()  # runs Python while this thread waits: the wait does not hold the GIL
+        assert engine.wait_copies(Direction.STORE, seq, 10)
+        assert released and torch.equal(cpu[0][:2], gpu[0][3:5])
+        assert engine.copies_done(Direction.STORE) == (seq, {})
+        fake.fail_batches(1)
+        bad = engine.start_copy(Direction.LOAD, np.array([0]), np.array([9]))
+        assert engine.wait_copies(Direction.LOAD, bad, 10)
+        done, failed = engine.copies_done(Direction.LOAD)
+        assert done == bad and "cuMemcpyBatchAsync of 1 copies failed" in failed[bad]
+    finally:
+        fake.hold(stream, False)  # a failed check must not leave the copier's thread waiting on a held stream
+        engine.close_copies()
+    assert engine.closed

@@ -23,13 +23,15 @@ def test_without_cuda_it_dry_runs_every_step_and_says_no_cuda_was_found(tmp_path
                          text=True, env=env, timeout=300, cwd=tmp_path)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "no CUDA found" in out.stdout and "DRY RUN" in out.stdout
-    for step in ("wheels", "build", "tests", "bench", "e2e", "compute-beside", "shard-bench"):
+    for step in ("wheels", "build", "tests", "bench", "e2e", "compute-beside", "shard-bench", "copier-bench"):
         assert f"[{step}] skipped, no CUDA found; would run:" in out.stdout
     assert "pytest -q -p no:cacheprovider -m gpu tests" in out.stdout  # make test-gpu's set, slow ones included
     assert "bench --only gpu --json" in out.stdout and "bench_shard_copier.py --world 2 --engine cuda" in out.stdout
     doc = json.loads((tmp_path / "gpu-check.json").read_text())
     assert doc["cuda"] is False and doc["dry_run"] is True and "no CUDA found" in doc["message"]
-    assert doc["steps"] == {s: "skipped" for s in ("wheels", "build", "tests", "bench", "e2e", "compute-beside", "shard-bench")}
+    assert doc["steps"] == {s: "skipped" for s in ("wheels", "build", "tests", "bench", "e2e", "compute-beside", "shard-bench",
+                                                   "copier-bench")}  # fmt: skip
+    assert "-m tiered_kv.bench.copier --engine cuda --json" in out.stdout  # a process per rank, wait()
     assert "pip install --no-index --find-links shared/wheels pydantic" in out.stdout  # carried wheels
     assert "scripts/gpu_e2e.py --json" in out.stdout  # the end-to-end case, both geometries, every path
     assert "scripts/gpu_compute_beside.py --json" in out.stdout  # the model's compute beside the copies

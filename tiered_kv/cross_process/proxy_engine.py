@@ -66,6 +66,8 @@ class _Entry:
 class ProxyCopyEngine:
     """Queues jobs for the workers and resolves them from the ranks' reports (see the module docstring)."""
 
+    copy_path: str | None = None  # the ranks' engines choose theirs (ShardCopier.copy_path); CopyEngine's attribute
+
     def __init__(self, world_size: int, num_blocks: int, num_slots: int, *, bytes_per_block: int = 0,
                  report_timeout_s: float = 60.0, on_job: Callable[[], None] | None = None) -> None:  # fmt: skip
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -252,11 +254,6 @@ class ProxyCopyEngine:
         for e in gone:
             _settle(e, f"job {e.job.job_id} ({e.job.direction} of {len(e.job)} blocks) abandoned: {why}")
         return len(gone)
-
-    def forget_request(self, req_id: str) -> None:
-        """Drop a cancelled tag (its request is gone for good, e.g. at ``request_finished``)."""
-        with self._lock:
-            self._cancelled.pop(req_id, None)
 
     def unfinished(self, req_id: str) -> int:
         """Jobs of the request queued or sent and not yet resolved (e.g. for delayed freeing)."""

@@ -7,12 +7,17 @@ waiting for them, and hands back which finished at its next ``poll``.
 The segment is rank-major (tiers/segment_geometry.py): this rank's shard of every slot is one contiguous,
 page-aligned sub-slab, so the copies are exactly the TP=1 ones, at every TP size, and a CUDA rank
 page-locks only its own sub-slab (in ``tiers.cpu.pin_chunk`` chunks). The copies run on a copy engine
-over (this rank's registered KV views, its sub-slab), driven by an event loop on a thread the copier
-owns, so ``submit`` and ``poll`` never block the model's thread. Host copies are numpy row copies
-(transfer/numpy_rows.py: no torch intra-op pool in a foreign thread). CUDA copies use cuda_engine (the direct road or CUDAStreamEngine)
-with ``compute=`` an event recorded in the caller's thread, on its current stream, when ``submit`` is
-called: a store submitted after the forward (vLLM's wait_for_save) reads what the forward wrote, a load
-submitted before it (start_load_kv) lands before attention reads it (``wait`` for a synchronous one).
+over (this rank's registered KV views, its sub-slab), from the one engine factory (``make_engine(...,
+counted=True)``): a ``CountedCopies`` engine (transfer/engines/base.py, counted.py). There is no copier
+thread and no event loop (issue 46 item 6): ``submit`` starts each job on the caller's (the model
+runner's) thread and returns, the engine's own threads or streams move the bytes and bump a completion
+counter per direction, ``poll`` reads the counters (never blocking) and maps them to job ids (a deque of
+(sequence number, job id) per direction), and ``wait`` sleeps in the engine with the GIL released.
+Host copies are the native row copies on the engine's worker thread per direction (no torch intra-op
+pool in a foreign thread). CUDA copies (the direct road or CUDAStreamEngine) are ordered after an event
+recorded in the caller's thread, on its current stream, when ``submit`` is called: a store submitted
+after the forward (vLLM's wait_for_save) reads what the forward wrote, a load submitted before it
+(start_load_kv) lands before attention reads it (``wait`` for a synchronous one).
 
 KV replicated across ``kv_replicas`` consecutive ranks (MLA) is stored once (tiers/segment_geometry.py):
 the ranks of a replica set share one sub-slab, every one of them loads from it, and only the first
@@ -22,23 +27,22 @@ anything, so the scheduler's proxy still resolves a job on a report from every r
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import threading
+import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ConfigError, LayoutError, TransferError
 from ..layout import KVLayout
-from ..loops import new_loop
 from ..tiers.fs_kind import check_pinnable
 from ..tiers.pinning import HostRegistration, pin_chunks, warn_if_memlock_low
 from ..tiers.segment_geometry import SegmentInfo, storage_ranks
 from ..tiers.shared_cpu import SharedSegment
-from ..transfer import cuda_engine
-from ..transfer.engines.base import CopyEngine, compute_event
-from ..transfer.engines.numpy_rows import NumpyRowEngine
+from ..transfer.engines import make_engine
+from ..transfer.engines.base import CountedCopies, Direction, compute_event
 from .layer_loads import LayeredLoad, LayerLoads
 from .shard_jobs import STORE, ShardJob
 
@@ -72,18 +76,17 @@ class ShardCopier:
         self.kind = engine
         self.pin_chunk = pin_chunk  # tiers.cpu.pin_chunk: CUDA registers this rank's sub-slab in chunks of this size
         self.segment: SharedSegment | None = None
-        self._engine: CopyEngine | None = None
+        self._engine: CountedCopies | None = None
         self._cpu_regions: list = []  # this rank's sub-slab, one view per region
         self._layers: LayerLoads | None = None  # layer-wise synchronous loads (host engine: layer_loads.py)
         self._pinned: HostRegistration | None = None
-        self._lock = threading.Condition()
-        self._pending = 0
-        self._ok: list[int] = []
+        self._lock = threading.Condition(threading.Lock())
+        self._ok: list[int] = []  # finished since the last poll
         self._failed: list[int] = []
-        self._running: set[int] = set()  # submitted and not finished (for ``wait``)
-        self._loop = new_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=f"tiered-kv-copier-{rank}", daemon=True)
-        self._thread.start()
+        # Per direction, in start order: (the engine's sequence number, job id) not yet seen finished.
+        self._inflight: dict[Direction, deque[tuple[int, int]]] = {d: deque() for d in Direction}
+        self._layered: set[int] = set()  # layered loads' jobs not finished (their thread reports them)
+        self._failures: dict[Direction, dict[int, str]] = {d: {} for d in Direction}  # seq -> error, read, unmatched
         self._closed = False
 
     # -- setup ------------------------------------------------------------------------------
@@ -125,7 +128,7 @@ class ShardCopier:
             for block_bytes in self.layout.region_block_bytes:
                 cpu.append(shard[:, offset : offset + block_bytes])
                 offset += block_bytes
-            self._engine = self._run(self._build(list(self.layout.regions), cpu, seg))
+            self._engine = self._build(list(self.layout.regions), cpu, seg)
             self._cpu_regions = cpu
         except BaseException:
             self._unpin()
@@ -133,32 +136,50 @@ class ShardCopier:
             raise
         self.segment = seg
 
-
-    async def _build(self, gpu: list, cpu: list, seg: SharedSegment) -> CopyEngine:
-        if self.kind == "host":
-            return NumpyRowEngine(gpu, cpu)
-        self._pinned, dma_rows = _pin(seg, self.rank, self.layout.device, self.pin_chunk)
-        return cuda_engine(gpu, cpu, dma_rows=dma_rows)
+    def _build(self, gpu: list, cpu: list, seg: SharedSegment) -> CountedCopies:
+        dma_rows = None
+        if self.kind == "cuda":
+            self._pinned, dma_rows = _pin(seg, self.rank, self.layout.device, self.pin_chunk)
+        engine = make_engine(self.kind, gpu, cpu, dma_rows=dma_rows, counted=True)
+        if not isinstance(engine, CountedCopies):  # the factory's promise for counted=True
+            raise ConfigError(f"the {self.kind} copy engine {type(engine).__name__} has no loop-free copies")
+        return engine
 
     @property
     def copy_path(self) -> str | None:
         """The copy path this rank's engine chose at start (direct, table, table-direct, groups, host-rows)."""
-        return getattr(self._engine, "copy_path", None)
+        return None if self._engine is None else self._engine.copy_path
 
     # -- the step's calls (any thread, never blocking) ------------------------------------------
     def submit(self, jobs: Sequence[ShardJob]) -> None:
-        """Issue the jobs (in order per direction) and return at once; their outcome comes from ``poll``."""
+        """Start the jobs (in order per direction) on this thread and return; their outcome comes from ``poll``.
+        A job that cannot start (a closed engine, an id the CUDA engine refuses) is reported failed."""
         if not jobs:
             return
-        if self._engine is None or self._closed:
+        engine = self._engine
+        if engine is None or self._closed:
             raise TransferError(f"rank {self.rank}: submit before open() or after close()")
         # CUDA: the event is recorded here, in the caller's (model runner's) thread on its current stream;
         # the copy stream waits for it, so a store reads what the forward pass wrote.
         ready = _compute_event(self.layout.device) if self.kind == "cuda" else None
-        with self._lock:
-            self._pending += len(jobs)
-            self._running.update(j.job_id for j in jobs)
-        self._loop.call_soon_threadsafe(self._issue, list(jobs), ready)
+        for job in jobs:
+            if job.direction == STORE and not self.stores:  # replicated KV: the set's first rank copies it
+                self.skipped_stores += 1
+                with self._lock:
+                    self._ok.append(job.job_id)
+                continue
+            try:
+                if job.direction == STORE:
+                    seq = engine.start_copy(Direction.STORE, job.gpu_ids, job.cpu_slots, ready)
+                else:
+                    seq = engine.start_copy(Direction.LOAD, job.cpu_slots, job.gpu_ids, ready)
+            except Exception as exc:  # a bad id or a closed engine: nothing was queued
+                log.error("tiered_kv rank %d: job %d could not start: %s", self.rank, job.job_id, exc)
+                with self._lock:
+                    self._failed.append(job.job_id)
+                continue
+            with self._lock:
+                self._inflight[Direction.STORE if job.direction == STORE else Direction.LOAD].append((seq, job.job_id))
 
     def enable_layers(self, groups: dict[str, list[int]]) -> bool:
         """Copy synchronous loads layer group by group (``submit_layered``): on a host engine with more
@@ -178,13 +199,13 @@ class ShardCopier:
         if self._layers is None or self._closed:
             raise TransferError(f"rank {self.rank}: submit_layered without enable_layers() or after close()")
         with self._lock:
-            self._pending += len(jobs)
-            self._running.update(j.job_id for j in jobs)
+            self._layered.update(j.job_id for j in jobs)
         return self._layers.start(jobs, self._finished)
 
     def poll(self) -> tuple[list[int], list[int]]:
-        """(ok job ids, failed job ids) finished since the last poll."""
+        """(ok job ids, failed job ids) finished since the last poll: reads the engine's counters, never blocks."""
         with self._lock:
+            self._collect()
             ok, failed = self._ok, self._failed
             self._ok, self._failed = [], []
         return ok, failed
@@ -193,26 +214,32 @@ class ShardCopier:
     def pending(self) -> int:
         """Jobs submitted whose copy has not finished."""
         with self._lock:
-            return self._pending
+            self._collect()
+            return sum(len(q) for q in self._inflight.values()) + len(self._layered)
 
     def wait(self, job_ids: Sequence[int], timeout_s: float | None = None) -> None:
-        """Block until these jobs have finished on this rank (a fence: e.g. before preempted blocks are reused).
-        Their outcome still comes from ``poll``."""
+        """Block, the GIL released, until these jobs have finished on this rank (a fence: e.g. before preempted
+        blocks are reused). Their outcome still comes from ``poll``."""
         ids = {int(j) for j in job_ids}
         with self._lock:
-            if not self._lock.wait_for(lambda: self._running.isdisjoint(ids), timeout_s):
-                raise TransferError(f"rank {self.rank}: jobs {sorted(self._running & ids)} still "
-                                    f"copying after {timeout_s} s")  # fmt: skip
+            self._collect()
+            last = {d: max((seq for seq, j in q if j in ids), default=0) for d, q in self._inflight.items()}
+        if not self._wait_for(last, lambda: self._layered.isdisjoint(ids), timeout_s):
+            with self._lock:
+                self._collect()
+                still = sorted(({j for q in self._inflight.values() for _, j in q} | self._layered) & ids)
+            raise TransferError(f"rank {self.rank}: jobs {still} still copying after {timeout_s} s")
 
     def drain(self, timeout_s: float | None = None) -> tuple[list[int], list[int]]:
         """Wait until every submitted job has finished (a flush fence), then ``poll``."""
         with self._lock:
-            if not self._lock.wait_for(lambda: self._pending == 0, timeout_s):
-                raise TransferError(f"rank {self.rank}: {self._pending} jobs still copying after {timeout_s} s")
+            last = {d: q[-1][0] if q else 0 for d, q in self._inflight.items()}
+        if not self._wait_for(last, lambda: not self._layered, timeout_s):
+            raise TransferError(f"rank {self.rank}: {self.pending} jobs still copying after {timeout_s} s")
         return self.poll()
 
     def close(self) -> None:
-        """Wait for every copy, then stop the engine and the loop and detach. Idempotent."""
+        """Wait for every copy, then stop the engine and detach. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -220,45 +247,48 @@ class ShardCopier:
             if self._layers is not None:
                 self._layers.close()  # its copies end first
             if self._engine is not None:
-                self._run(self._engine.aclose())  # waits for every in-flight copy first
-                self._engine = None
+                self._engine.close_copies()  # waits for every copy in flight first
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
-            if not self._thread.is_alive():
-                self._loop.close()
             self._unpin()
             if self.segment is not None:
                 self.segment.close()
 
-    # -- on the copier's loop -----------------------------------------------------------------
-    def _issue(self, jobs: list[ShardJob], ready: Any) -> None:
-        for job in jobs:
-            if job.direction == STORE and not self.stores:  # replicated KV: the set's first rank copies it
-                self.skipped_stores += 1
-                self._finished(job.job_id, True)
-                continue
-            try:
-                if job.direction == STORE:
-                    handle = self._engine.submit_store(job.gpu_ids, job.cpu_slots, compute=ready)
+    # -- completion ---------------------------------------------------------------------------
+    def _collect(self) -> None:
+        """(under the lock) Move the jobs the engine's counters say have finished to the ok / failed lists."""
+        if self._engine is None:
+            return
+        for direction, queue in self._inflight.items():
+            if not queue:
+                continue  # (a failure of a job not queued yet stays with the engine until it is)
+            done, failed = self._engine.copies_done(direction)
+            failures = self._failures[direction]
+            failures.update(failed)  # kept until matched: a job may be queued here just after its copy ended
+            while queue and queue[0][0] <= done:
+                seq, job_id = queue.popleft()
+                if seq in failures:
+                    log.error("tiered_kv rank %d: job %d failed: %s", self.rank, job_id, failures.pop(seq))
+                    self._failed.append(job_id)
                 else:
-                    handle = self._engine.submit_load(job.cpu_slots, job.gpu_ids, compute=ready)
-            except Exception as exc:  # a bad id or a closed engine: nothing was queued
-                log.error("tiered_kv rank %d: job %d could not start: %s", self.rank, job.job_id, exc)
-                self._finished(job.job_id, False)
-                continue
-            handle.future.add_done_callback(lambda f, jid=job.job_id: self._finished(
-                jid, not f.cancelled() and f.exception() is None))  # fmt: skip
+                    self._ok.append(job_id)
+
+    def _wait_for(self, last: dict[Direction, int], layered_done: Any, timeout_s: float | None) -> bool:
+        """Until each direction's batch ``last[d]`` has finished (in the engine, the GIL released) and
+        ``layered_done()`` holds; False at the deadline."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        left = lambda: None if deadline is None else max(0.0, deadline - time.monotonic())  # noqa: E731
+        for direction, seq in last.items():
+            if seq and not self._engine.wait_copies(direction, seq, left()):
+                return False
+        with self._lock:
+            return self._lock.wait_for(layered_done, left())
 
     def _finished(self, job_id: int, ok: bool) -> None:
+        """A layered load's job is over (its thread calls this)."""
         with self._lock:
             (self._ok if ok else self._failed).append(job_id)
-            self._pending -= 1
-            self._running.discard(job_id)
+            self._layered.discard(job_id)
             self._lock.notify_all()
-
-    def _run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def _unpin(self) -> None:
         pinned, self._pinned = self._pinned, None

@@ -16,6 +16,9 @@ checks the first one's). Per step (README, "Use with vLLM"):
   CUDA the ordering event is recorded here, on the forward's stream).
 - ``build_connector_worker_meta``: the job ids this rank finished since the last step.
 
+Every copy starts on this thread (the model runner's): the ShardCopier has no thread or loop of its own,
+``poll`` reads its engine's completion counters and a ``wait`` sleeps with the GIL released.
+
 The scheduler tells every rank when a request's async load or its stores are over, and each rank
 reports it (``finished_recving`` / ``finished_sending``), which vLLM counts to world_size.
 """

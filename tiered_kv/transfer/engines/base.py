@@ -12,7 +12,7 @@ import enum
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Generator, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -105,6 +105,8 @@ class CopyHandle:
 
 class CopyEngine(ABC):
     """Copies whole blocks (all regions) between GPU blocks and CPU slots."""
+
+    copy_path: str | None = None  # the copy path an engine chose at start (cuda.py, direct.py, host.py name theirs)
 
     def __init__(self, gpu_regions: Sequence[torch.Tensor], cpu_regions: Sequence[torch.Tensor]) -> None:
         self._gpu = tuple(gpu_regions)
@@ -219,6 +221,51 @@ class CopyEngine(ABC):
             self._idle = loop.create_future()
             await self._idle
         self._release()
+
+
+# -- optional copy modes: what an engine offers beyond submit_store / submit_load, declared here so that
+# callers test ``isinstance(engine, InlineCopies)`` instead of probing with getattr.
+
+
+@runtime_checkable
+class InlineCopies(Protocol):
+    """Copies a small batch synchronously on the calling thread (the host engine)."""
+
+    def copy_inline(self, direction: Direction, src: np.ndarray, dst: np.ndarray) -> bool: ...
+
+
+@runtime_checkable
+class ThreadedCopies(Protocol):
+    """Starts a batch on the engine's worker with one hand-off and a ``done(error)`` callback on the loop."""
+
+    def copy_threaded(self, direction: Direction, src: np.ndarray, dst: np.ndarray, token: asyncio.Future,
+                      done: Any) -> None: ...  # fmt: skip
+
+
+@runtime_checkable
+class NowCopies(Protocol):
+    """Queues a batch from any thread with no asyncio future (the cross-process proxy engine)."""
+
+    def copy_now(self, direction: Direction, src_ids: np.ndarray, dst_ids: np.ndarray, done: Any) -> None: ...
+
+
+@runtime_checkable
+class CountedCopies(Protocol):
+    """Loop-free copies (the worker's ShardCopier): started from the caller's thread, finished per direction
+    in start order, completion read from a counter. ``start_copy`` returns the batch's sequence number in its
+    direction (1, 2, ...); it checks nothing it cannot check cheaply: a bad id fails the batch, reported by
+    ``copies_done``. ``copies_done`` never blocks: (the sequence number through which every batch of that
+    direction has finished, {sequence number: error message} of the failed ones not reported before).
+    ``wait_copies`` blocks with the GIL released until batch ``seq`` of ``direction`` has finished (False
+    on timeout). ``close_copies`` waits for every started batch, then frees the engine's threads and streams."""
+
+    def start_copy(self, direction: Direction, src: np.ndarray, dst: np.ndarray, compute: Compute = None) -> int: ...
+
+    def copies_done(self, direction: Direction) -> tuple[int, dict[int, str]]: ...
+
+    def wait_copies(self, direction: Direction, seq: int, timeout_s: float | None = None) -> bool: ...
+
+    def close_copies(self) -> None: ...
 
 
 def _id_array(ids: Sequence[int] | np.ndarray, name: str) -> np.ndarray:

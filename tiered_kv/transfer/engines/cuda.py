@@ -52,8 +52,9 @@ import numpy as np
 import torch
 
 from ...errors import ConfigError, LayoutError, TransferError
-from .base import Compute, CopyEngine, CopyHandle, Direction, is_event
+from .base import Compute, CopyEngine, CopyHandle, Direction, check_compute, check_id_arrays, is_event
 from .bridge import EventBridge
+from .counted import Completions
 from .index_ring import IndexRing
 from .staged import Lanes, Staging, enqueue_load, enqueue_store, gpu_groups, host_slabs
 from .table import DeviceIds, build_table, choose_path, enqueue_table
@@ -119,11 +120,8 @@ class CUDAStreamEngine(CopyEngine):
             d: EventBridge(f"tiered-kv-{d.value}-waiter", on_start=lambda: torch.cuda.set_device(device))
             for d in Direction
         }
-
-    @property
-    def block_major(self) -> bool:
-        """True when the CPU regions tile one block-major slab (one DMA per run of slots, all regions)."""
-        return len(self.host_slabs) == 1 and len(self.host_slabs[0].regions) > 1
+        self._counts = Completions()
+        self._counted_finish = {d: _finisher(self._counts, d) for d in Direction}
 
     def stream(self, direction: Direction) -> torch.cuda.Stream:
         """The copy stream of one direction (for profiling and tests)."""
@@ -133,6 +131,39 @@ class CUDAStreamEngine(CopyEngine):
         self, direction: Direction, src: np.ndarray, dst: np.ndarray, handle: CopyHandle,
         loop: asyncio.AbstractEventLoop, compute: Compute,
     ) -> None:  # fmt: skip
+        done, error, keep = self._enqueue(direction, src, dst, compute)
+        handle.event = done
+        self._bridges[direction].watch(done, handle.future, loop, self._resolve, error=error, keepalive=keep)
+
+    # -- base.CountedCopies: the worker's loop-free copies (the waiter thread bumps a counter) -------------
+    def start_copy(self, direction: Direction, src: np.ndarray, dst: np.ndarray, compute: Compute = None) -> int:
+        if self._closed:
+            raise TransferError(f"start_copy ({direction.value}) on a closed {type(self).__name__}")
+        check_compute(compute)
+        n = (self.num_blocks, self.num_slots) if direction is Direction.STORE else (self.num_slots, self.num_blocks)
+        src, dst = check_id_arrays(src, dst, src_len=n[0], dst_len=n[1])  # a bad id must never reach a kernel
+        done, error, keep = self._enqueue(direction, src, dst, compute)
+        seq = self._counts.issue(direction)
+        self._bridges[direction].watch(done, seq, _NOW, self._counted_finish[direction], error=error, keepalive=keep)
+        return seq
+
+    def copies_done(self, direction: Direction) -> tuple[int, dict[int, str]]:
+        return self._counts.done(direction)
+
+    def wait_copies(self, direction: Direction, seq: int, timeout_s: float | None = None) -> bool:
+        return self._counts.wait(direction, seq, timeout_s)
+
+    def close_copies(self) -> None:
+        self._closed = True
+        self._counts.wait_all()
+        if not self._pending:
+            self._release()
+
+    def _enqueue(
+        self, direction: Direction, src: np.ndarray, dst: np.ndarray, compute: Compute,
+    ) -> tuple[torch.cuda.Event, TransferError | None, list]:  # fmt: skip
+        """Queue one batch on the direction's streams: (its done event, an enqueue error to report once
+        the event has passed, the tensors to keep alive until then)."""
         stream = self._streams[direction]
         staging = self._staging[direction]
         keep: list[torch.Tensor] = []
@@ -172,8 +203,7 @@ class CUDAStreamEngine(CopyEngine):
                 done.record(stream)
             ring.seal(done)  # the ids it uploaded stay put until this batch is done
         keep += staging.buffers
-        handle.event = done
-        self._bridges[direction].watch(done, handle.future, loop, self._resolve, error=error, keepalive=keep)
+        return done, error, keep
 
     def _ready_event(self, compute: Compute) -> torch.cuda.Event:
         """The event the copy stream waits on: the caller's, or one recorded now on its stream."""
@@ -240,3 +270,21 @@ class CudaLanes(Lanes):
 
     def finish(self) -> None:
         self._streams["kernel"].wait_stream(self._streams["dma"])
+
+
+class _Now:
+    """The bridge's "loop" for counted copies: the waiter thread bumps the counter itself, no loop hop."""
+
+    @staticmethod
+    def call_soon_threadsafe(fn, *args) -> None:
+        fn(*args)
+
+
+_NOW = _Now()
+
+
+def _finisher(counts: Completions, direction: Direction):
+    def finish(seq: int, error: BaseException | None) -> None:
+        counts.finish(direction, seq, None if error is None else str(error))
+
+    return finish
