@@ -46,7 +46,9 @@ inline void bind_direct(py::module_& m) {
 
     py::class_<DirectCopier>(m, "DirectCopier")
         // driver: "cuda" (libcuda through cuGetProcAddress) or "fake:VERSION" (fake_cuda, for tests).
-        .def(py::init([](const std::string& driver, int device, const Regions& regions, i64 num_blocks, i64 num_slots, i64 dma_rows) {
+        .def(py::init([](const std::string& driver, int device, const Regions& regions, i64 num_blocks, i64 num_slots, i64 dma_rows,
+                         int max_inflight) {
+            if (max_inflight < 1) raise(Err::Transfer, "direct copy: max_inflight must be at least 1, got " + S(max_inflight));
             cu::Driver d;
             if (driver.rfind("fake:", 0) == 0) {
                 d = fake::driver(std::stoi(driver.substr(5)));
@@ -58,8 +60,9 @@ inline void bind_direct(py::module_& m) {
             }
             auto rs = direct_regions(regions);
             py::gil_scoped_release unlocked;
-            return new DirectCopier(d, device, std::move(rs), num_blocks, num_slots, dma_rows);
-        }), py::arg("driver"), py::arg("device"), py::arg("regions"), py::arg("num_blocks"), py::arg("num_slots"), py::arg("dma_rows") = 0)
+            return new DirectCopier(d, device, std::move(rs), num_blocks, num_slots, dma_rows, max_inflight);
+        }), py::arg("driver"), py::arg("device"), py::arg("regions"), py::arg("num_blocks"), py::arg("num_slots"), py::arg("dma_rows") = 0,
+            py::arg("max_inflight") = 4)
         // One call: direction 0 store (src: gpu ids, dst: slots) or 1 load; ready 0 none, 1 event, 2 stream.
         .def("submit", [](DirectCopier& c, int direction, py::handle src, py::handle dst, int ready, u64 handle) {
             if (direction != 0 && direction != 1) raise(Err::Transfer, "direct copy: direction must be 0 or 1, got " + S(direction));
@@ -68,8 +71,33 @@ inline void bind_direct(py::module_& m) {
             const std::string& dn = direction == 0 ? slot : gpu;
             std::vector<i64> s = id_copy(src, sn), d = id_copy(dst, dn);
             py::gil_scoped_release unlocked;
-            return c.submit(direction, s, d, ready, handle, sn, dn).first;
+            return c.submit(direction, std::move(s), std::move(d), ready, handle, sn, dn).first;
         }, py::arg("direction"), py::arg("src"), py::arg("dst"), py::arg("ready") = 0, py::arg("handle") = 0)
+        // A layered load: edge[i] marks block i as copied whole first (mark 0), then groups[g] (mark 1 + g).
+        .def("submit_layered", [](DirectCopier& c, py::handle slots, py::handle gpu_ids, const std::vector<int>& edge,
+                                  const std::vector<std::vector<int>>& groups, int ready, u64 handle) {
+            auto layers = std::make_shared<Layers>();
+            for (int e : edge) layers->edge.push_back(static_cast<char>(e != 0));
+            for (size_t g = 0; g < groups.size(); ++g)
+                for (int r : groups[g])
+                    if (r < 0 || static_cast<size_t>(r) >= c.num_regions())
+                        raise(Err::Transfer, "direct copy: layer group " + S(static_cast<i64>(g)) + " names region " + S(r) + " of " + S(static_cast<i64>(c.num_regions())));
+            layers->groups = groups;
+            std::vector<i64> s = id_copy(slots, "cpu slot"), d = id_copy(gpu_ids, "gpu block id");
+            py::gil_scoped_release unlocked;
+            return c.submit(1, std::move(s), std::move(d), ready, handle, "cpu slot", "gpu block id", std::move(layers)).first;
+        }, py::arg("slots"), py::arg("gpu_ids"), py::arg("edge"), py::arg("groups"), py::arg("ready") = 0, py::arg("handle") = 0)
+        .def("wait", [](DirectCopier& c, int direction, u64 seq, double timeout_s) {
+            if (direction != 0 && direction != 1) raise(Err::Transfer, "direct copy: direction must be 0 or 1, got " + S(direction));
+            py::gil_scoped_release unlocked;
+            return c.wait(direction, seq, timeout_s);
+        }, py::arg("direction"), py::arg("seq"), py::arg("timeout_s") = -1.0)
+        .def("wait_mark", [](DirectCopier& c, u64 seq, size_t mark, u64 stream, double timeout_s) {
+            py::gil_scoped_release unlocked;
+            return c.wait_mark(seq, mark, stream, timeout_s);
+        }, py::arg("seq"), py::arg("mark"), py::arg("stream"), py::arg("timeout_s") = -1.0)
+        .def("inflight", &DirectCopier::inflight)
+        .def_property_readonly("max_inflight", &DirectCopier::max_inflight)
         .def("poll", [](DirectCopier& c) {
             auto r = c.poll();
             py::list errors;
