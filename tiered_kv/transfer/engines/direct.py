@@ -9,6 +9,10 @@ one descriptor per run of slots consecutive on both sides (per region, cut at ``
 copy stream wait for the ready event and issues one ``cuMemcpyBatchAsync`` plus a done-event record.
 No torch.cuda call per call except reading the current stream when ``compute`` is None.
 
+Calls in flight: at most ``max_inflight`` (default 4) calls per direction are issued to that direction's copy
+stream; a later one is parked in the native copier (its readiness recorded at submit) and issued by the
+completion thread as soon as a slot frees. ``submit_*`` never blocks the loop.
+
 Completion: a native thread per direction waits on the done events in FIFO order and writes an eventfd;
 the loop watches it (``loop.add_reader``) and resolves every future up to the completed sequence number,
 one wakeup per burst. Ordering is the CUDA engine's contract: the copy stream waits for ``compute`` (an
@@ -30,11 +34,14 @@ import numpy as np
 import torch
 
 from ...core import core
-from ...errors import LayoutError, TransferError
+from ...errors import ConfigError, LayoutError, TransferError
 from .base import Compute, CopyEngine, CopyHandle, Direction, check_compute, is_event
 from .staged import host_slabs
 
 DIRECT_MIN_ROW = 1 << 20
+# Calls issued to the copy stream per direction; later ones are parked natively, in order, and issued by the
+# completion thread as slots free (so the link always has the next calls queued: copy-path-design.md 2.1.7).
+MAX_INFLIGHT = 4
 _STORE, _LOAD = 0, 1
 _NONE, _EVENT, _STREAM = 0, 1, 2
 
@@ -84,9 +91,11 @@ class DirectCopyEngine(CopyEngine):
 
     def __init__(
         self, gpu_regions: Sequence[torch.Tensor], cpu_regions: Sequence[torch.Tensor], *,
-        dma_rows: int | None = None, driver: str = "cuda",
+        dma_rows: int | None = None, driver: str = "cuda", max_inflight: int = MAX_INFLIGHT,
     ) -> None:  # fmt: skip
         super().__init__(gpu_regions, cpu_regions)
+        if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
+            raise ConfigError(f"max_inflight (calls in flight per direction) must be an integer >= 1, got {max_inflight!r}")
         if not direct_eligible(self._gpu, self._cpu, min_row=0):
             raise LayoutError("the direct copy path needs GPU rows with adjacent bytes and addressable CPU slab rows")
         self._fake = driver.startswith("fake:")
@@ -96,7 +105,7 @@ class DirectCopyEngine(CopyEngine):
         self.dma_rows = dma_rows
         self._device_index = device
         self._copier = core.DirectCopier(driver, device, region_geometry(self._gpu, self._cpu),
-                                         self.num_blocks, self.num_slots, int(dma_rows or 0))  # fmt: skip
+                                         self.num_blocks, self.num_slots, int(dma_rows or 0), max_inflight)  # fmt: skip
         self._waiting: tuple[deque, deque] = (deque(), deque())  # per direction: (seq, future), in order
         self._loop: asyncio.AbstractEventLoop | None = None
         self.wakeups = 0  # loop wakeups that resolved calls (one per burst of completions)
@@ -128,6 +137,14 @@ class DirectCopyEngine(CopyEngine):
     def last_descriptors(self, direction: Direction) -> int:
         """Descriptors the last call of ``direction`` issued (one per run and dense region)."""
         return int(self._copier.last_descriptors(_STORE if direction is Direction.STORE else _LOAD))
+
+    def queued(self, direction: Direction) -> tuple[int, int]:
+        """(calls issued to the copy stream and not completed, calls parked for a free slot) of ``direction``."""
+        return tuple(self._copier.inflight(_STORE if direction is Direction.STORE else _LOAD))
+
+    @property
+    def max_inflight(self) -> int:
+        return int(self._copier.max_inflight)
 
     @property
     def batched(self) -> bool:
