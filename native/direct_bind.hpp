@@ -5,6 +5,7 @@
 #include "convert.hpp"
 #include "direct_copy.hpp"
 #include "fake_driver.hpp"
+#include "ring_plan.hpp"
 
 namespace tkv {
 
@@ -43,6 +44,21 @@ inline void bind_direct(py::module_& m) {
         plan_descriptors(direct_regions(regions), g.data(), s.data(), static_cast<i64>(g.size()), store, dma_rows, d, order);
         return py::make_tuple(u64_array(d.src), u64_array(d.dst), u64_array(std::vector<u64>(d.bytes.begin(), d.bytes.end())));
     }, py::arg("regions"), py::arg("gpu_ids"), py::arg("slots"), py::arg("store"), py::arg("dma_rows") = 0);
+
+    // The staged road's plan (ring_plan.hpp, ids unchecked): (gpu ids in slab order, chunk starts, chunk of
+    // each descriptor, src, dst, bytes).
+    m.def("ring_plan", [](py::handle gpu_ids, py::handle slots, bool store, u64 slab_base, i64 slab_stride, i64 row_bytes,
+                          const std::vector<u64>& ring, i64 chunk_rows, i64 dma_rows) {
+        std::vector<i64> g = id_copy(gpu_ids, "gpu block id"), s = id_copy(slots, "cpu slot");
+        if (g.size() != s.size()) raise(Err::Transfer, "ring_plan: " + S(static_cast<i64>(g.size())) + " ids vs " + S(static_cast<i64>(s.size())) + " slots");
+        RingPlan p;
+        std::vector<i64> order;
+        plan_ring(g.data(), s.data(), static_cast<i64>(g.size()), store, slab_base, slab_stride, row_bytes, ring, chunk_rows, dma_rows, p, order);
+        auto i64s = [](const std::vector<i64>& v) { return py::array_t<i64>(static_cast<py::ssize_t>(v.size()), v.data()); };
+        return py::make_tuple(i64s(p.gpu), i64s(p.starts), i64s(p.chunk), u64_array(p.desc.src), u64_array(p.desc.dst),
+                              u64_array(std::vector<u64>(p.desc.bytes.begin(), p.desc.bytes.end())));
+    }, py::arg("gpu_ids"), py::arg("slots"), py::arg("store"), py::arg("slab_base"), py::arg("slab_stride"), py::arg("row_bytes"),
+       py::arg("ring"), py::arg("chunk_rows"), py::arg("dma_rows") = 0);
 
     py::class_<DirectCopier>(m, "DirectCopier")
         // driver: "cuda" (libcuda through cuGetProcAddress) or "fake:VERSION" (fake_cuda, for tests).
