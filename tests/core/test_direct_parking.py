@@ -4,6 +4,7 @@ native wait with the GIL released; close() drains parked calls and joins its thr
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -25,6 +26,18 @@ def no_leaks():
     assert fake.live() == before, "a test left fake events or streams behind"
 
 
+@contextlib.contextmanager
+def holding(copier, stream):
+    """Hold a copy stream; on the way out (an assertion failed too) release it and close the copier, so a
+    failing test fails instead of hanging in close()."""
+    fake.hold(stream)
+    try:
+        yield
+    finally:
+        fake.hold(stream, False)
+        copier.close()
+
+
 def rig(max_inflight):
     gpu = torch.randint(1, 256, (16, ROW), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
     cpu = torch.zeros((16, ROW), dtype=torch.uint8)
@@ -35,7 +48,11 @@ def rig(max_inflight):
 def test_parked_calls_are_issued_in_order_as_slots_free_and_waited_for_natively():
     copier, gpu, cpu = rig(2)
     stream = copier.stream(0)
-    fake.hold(stream)
+    with holding(copier, stream):
+        parked_then_issued(copier, stream, gpu, cpu)
+
+
+def parked_then_issued(copier, stream, gpu, cpu) -> None:
     fake.reset_counts()
     seqs = [copier.submit(0, np.array([i]), np.array([i])) for i in range(5)]
     assert seqs == [1, 2, 3, 4, 5] and copier.inflight(0) == (2, 3) and copier.inflight(1) == (0, 0)
@@ -52,7 +69,6 @@ def test_parked_calls_are_issued_in_order_as_slots_free_and_waited_for_natively(
     assert time.monotonic() - start >= 0.04
     assert torch.equal(cpu[:5], gpu[:5]) and copier.poll()[0] == 5
     releaser.join()
-    copier.close()
 
 
 def test_close_drains_parked_calls_and_joins_its_threads():
@@ -60,27 +76,30 @@ def test_close_drains_parked_calls_and_joins_its_threads():
     stream = copier.stream(1)
     cpu[:4] = 7
     fake.hold(stream)
-    for i in range(4):
-        copier.submit(1, np.array([i]), np.array([8 + i]))
-    assert copier.inflight(1) == (1, 3)
     releaser = threading.Timer(0.05, fake.hold, (stream, False))
-    releaser.start()
-    copier.close()  # returns once the parked calls were issued and landed
-    releaser.join()
+    try:
+        for i in range(4):
+            copier.submit(1, np.array([i]), np.array([8 + i]))
+        assert copier.inflight(1) == (1, 3)
+        releaser.start()
+        copier.close()  # returns once the parked calls were issued and landed
+    finally:
+        fake.hold(stream, False)
+        copier.close()
+        releaser.join()
     assert bool((gpu[8:12] == 7).all()) and copier.closed
 
 
 def test_a_bad_ready_handle_refuses_a_parked_call_too():
     copier, _, _ = rig(1)
     stream = copier.stream(0)
-    fake.hold(stream)
-    copier.submit(0, np.array([1]), np.array([1]))
-    with pytest.raises(TransferError, match="cuStreamWaitEvent failed with CUresult 400"):
-        copier.submit(0, [2], [2], 1, 0xDEAD)  # snapshot refused: nothing parked, no sequence number taken
-    assert copier.inflight(0) == (1, 0) and copier.submit(0, [3], [3]) == 2
-    fake.hold(stream, False)
-    assert copier.wait(0, 2, 5)
-    copier.close()
+    with holding(copier, stream):
+        copier.submit(0, np.array([1]), np.array([1]))
+        with pytest.raises(TransferError, match="cuStreamWaitEvent failed with CUresult 400"):
+            copier.submit(0, [2], [2], 1, 0xDEAD)  # snapshot refused: nothing parked, no sequence number taken
+        assert copier.inflight(0) == (1, 0) and copier.submit(0, [3], [3]) == 2
+        fake.hold(stream, False)
+        assert copier.wait(0, 2, 5)
 
 
 def test_max_inflight_below_one_is_refused():

@@ -8,6 +8,7 @@ slots free. The fake's held streams are the gate: a held copy stream runs nothin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import numpy as np
 import pytest
@@ -35,6 +36,19 @@ def packed(seed: int = 0):
     return [gpu], [torch.zeros(NUM_SLOTS, ROW, dtype=torch.uint8)]
 
 
+@contextlib.contextmanager
+def holding(*streams: int):
+    """Hold the streams (the gate: nothing on them runs until stepped); released on the way out, also when an
+    assertion failed, so the engine's aclose can drain instead of hanging."""
+    for s in streams:
+        fake.hold(s)
+    try:
+        yield
+    finally:
+        for s in streams:
+            fake.hold(s, False)
+
+
 async def settle(predicate, timeout: float = 2.0) -> None:
     """Yield to the loop until ``predicate()`` (completions arrive through the eventfd reader)."""
     for _ in range(int(timeout / 0.005)):
@@ -48,23 +62,22 @@ async def test_the_fifth_call_waits_for_a_free_slot_and_calls_finish_in_order():
     gpu, cpu = packed()
     async with DirectCopyEngine(gpu, cpu, driver="fake:13000", max_inflight=4) as engine:
         stream = engine.stream_handle(Direction.STORE)
-        fake.hold(stream)
-        fake.reset_counts()
-        handles = [engine.submit_store([i], [i]) for i in range(6)]  # returns at once: the loop is never blocked
-        assert engine.queued(Direction.STORE) == (4, 2) and engine.inflight == 6
-        counts = fake.counts()  # one batch and one done record per issued call, nothing for a parked one
-        assert (counts["batch"], counts["record"], counts.get("wait", 0)) == (4, 4, 0)
-        fake.step(stream, 1)  # the first call lands; its slot goes to the fifth at once (native thread)
-        await asyncio.wait_for(handles[0], 2)
-        await settle(lambda: engine.queued(Direction.STORE) == (4, 1))
-        assert fake.counts()["batch"] == 5 and not cpu[0][4].any(), "the parked call ran before its turn"
-        assert [h.done() for h in handles] == [True] + [False] * 5
-        for k in range(1, 6):  # strictly in submission order
-            fake.step(stream, 1)
-            await asyncio.wait_for(handles[k], 2)
-            assert [h.done() for h in handles] == [i <= k for i in range(6)]
-        assert engine.queued(Direction.STORE) == (0, 0) and fake.counts()["batch"] == 6
-        fake.hold(stream, False)
+        with holding(stream):
+            fake.reset_counts()
+            handles = [engine.submit_store([i], [i]) for i in range(6)]  # returns at once: the loop never blocks
+            assert engine.queued(Direction.STORE) == (4, 2) and engine.inflight == 6
+            counts = fake.counts()  # one batch and one done record per issued call, nothing for a parked one
+            assert (counts["batch"], counts["record"], counts.get("wait", 0)) == (4, 4, 0)
+            fake.step(stream, 1)  # the first call lands; its slot goes to the fifth at once (native thread)
+            await asyncio.wait_for(handles[0], 2)
+            await settle(lambda: engine.queued(Direction.STORE) == (4, 1))
+            assert fake.counts()["batch"] == 5 and not cpu[0][4].any(), "the parked call ran before its turn"
+            assert [h.done() for h in handles] == [True] + [False] * 5
+            for k in range(1, 6):  # strictly in submission order
+                fake.step(stream, 1)
+                await asyncio.wait_for(handles[k], 2)
+                assert [h.done() for h in handles] == [i <= k for i in range(6)]
+            assert engine.queued(Direction.STORE) == (0, 0) and fake.counts()["batch"] == 6
         assert torch.equal(cpu[0][:6], gpu[0][:6])
 
 
@@ -72,13 +85,12 @@ async def test_each_direction_has_its_own_slots_and_stream():
     gpu, cpu = packed()
     async with DirectCopyEngine(gpu, cpu, driver="fake:13000", max_inflight=2) as engine:
         assert engine.stream_handle(Direction.STORE) != engine.stream_handle(Direction.LOAD)
-        fake.hold(engine.stream_handle(Direction.STORE))
-        stores = [engine.submit_store([i], [i]) for i in range(3)]
-        cpu[0][10] = 9
-        await asyncio.wait_for(engine.submit_load([10], [20]), 2)  # not behind the held stores
-        assert bool((gpu[0][20] == 9).all()) and engine.queued(Direction.STORE) == (2, 1)
-        fake.hold(engine.stream_handle(Direction.STORE), False)
-        await asyncio.gather(*stores)
+        with holding(engine.stream_handle(Direction.STORE)):
+            stores = [engine.submit_store([i], [i]) for i in range(3)]
+            cpu[0][10] = 9
+            await asyncio.wait_for(engine.submit_load([10], [20]), 2)  # not behind the held stores
+            assert bool((gpu[0][20] == 9).all()) and engine.queued(Direction.STORE) == (2, 1)
+        await asyncio.wait_for(asyncio.gather(*stores), 2)
 
 
 async def test_a_parked_call_is_ordered_after_its_ready_event_as_recorded_at_submit():
@@ -87,24 +99,21 @@ async def test_a_parked_call_is_ordered_after_its_ready_event_as_recorded_at_sub
     try:
         async with DirectCopyEngine(gpu, cpu, driver="fake:13000", max_inflight=1) as engine:
             stream = engine.stream_handle(Direction.STORE)
-            fake.hold(stream)
-            fake.hold(compute)
-            fake.hold(later)
-            first = engine.submit_store([0], [0])
-            fake.record(ready, compute)  # the model's work this call must follow
-            fake.reset_counts()
-            parked = engine.submit_store([5], [5], compute=RawHandle(ready))
-            counts = fake.counts()  # snapshot: a side stream waits for the event and records one of ours
-            assert (counts["wait"], counts["record"], counts.get("batch", 0)) == (1, 1, 0)
-            fake.record(ready, later)  # the caller reuses its event for work that never finishes here
-            fake.hold(stream, False)
-            await asyncio.wait_for(first, 2)
-            await asyncio.sleep(0.05)
-            assert not parked.done() and not cpu[0][5].any(), "the parked copy ran before its ready event"
-            fake.hold(compute, False)  # what it waited for at submit is done; `later` is still held
-            await asyncio.wait_for(parked, 2)
-            assert torch.equal(cpu[0][5], gpu[0][5])
-            fake.hold(later, False)
+            with holding(later, compute, stream):
+                first = engine.submit_store([0], [0])
+                fake.record(ready, compute)  # the model's work this call must follow
+                fake.reset_counts()
+                parked = engine.submit_store([5], [5], compute=RawHandle(ready))
+                counts = fake.counts()  # snapshot: a side stream waits for the event and records one of ours
+                assert (counts["wait"], counts["record"], counts.get("batch", 0)) == (1, 1, 0)
+                fake.record(ready, later)  # the caller reuses its event for work that never finishes here
+                fake.hold(stream, False)
+                await asyncio.wait_for(first, 2)
+                await asyncio.sleep(0.05)
+                assert not parked.done() and not cpu[0][5].any(), "the parked copy ran before its ready event"
+                fake.hold(compute, False)  # what it waited for at submit is done; `later` is still held
+                await asyncio.wait_for(parked, 2)
+                assert torch.equal(cpu[0][5], gpu[0][5])
     finally:
         fake.event_destroy(ready)
         fake.stream_destroy(compute)
@@ -114,18 +123,16 @@ async def test_a_parked_call_is_ordered_after_its_ready_event_as_recorded_at_sub
 async def test_cancelling_the_wait_for_a_parked_call_leaves_the_copy_to_run():
     gpu, cpu = packed()
     async with DirectCopyEngine(gpu, cpu, driver="fake:13000", max_inflight=1) as engine:
-        stream = engine.stream_handle(Direction.LOAD)
-        fake.hold(stream)
-        cpu[0][3] = 5
-        first = engine.submit_load([1], [1])
-        parked = engine.submit_load([3], [7])
-        task = asyncio.create_task(asyncio.wait_for(parked, 10))
-        await asyncio.sleep(0)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        assert not parked.future.cancelled() and engine.queued(Direction.LOAD) == (1, 1)
-        fake.hold(stream, False)
+        with holding(engine.stream_handle(Direction.LOAD)):
+            cpu[0][3] = 5
+            first = engine.submit_load([1], [1])
+            parked = engine.submit_load([3], [7])
+            task = asyncio.create_task(asyncio.wait_for(parked, 10))
+            await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert not parked.future.cancelled() and engine.queued(Direction.LOAD) == (1, 1)
         await asyncio.wait_for(asyncio.gather(first, parked), 2)
         assert parked.future.exception() is None and bool((gpu[0][7] == 5).all())
 
@@ -134,13 +141,11 @@ async def test_aclose_drains_parked_calls():
     gpu, cpu = packed()
     live = fake.live()
     engine = DirectCopyEngine(gpu, cpu, driver="fake:12000", max_inflight=2)  # no batch call: a copy per run
-    stream = engine.stream_handle(Direction.STORE)
-    fake.hold(stream)
-    handles = [engine.submit_store([i], [i]) for i in range(5)]
-    closing = asyncio.ensure_future(engine.aclose())
-    await asyncio.sleep(0.02)
-    assert not closing.done() and engine.queued(Direction.STORE) == (2, 3)
-    fake.hold(stream, False)
+    with holding(engine.stream_handle(Direction.STORE)):
+        handles = [engine.submit_store([i], [i]) for i in range(5)]
+        closing = asyncio.ensure_future(engine.aclose())
+        await asyncio.sleep(0.02)
+        assert not closing.done() and engine.queued(Direction.STORE) == (2, 3)
     await asyncio.wait_for(closing, 5)
     assert all(h.done() and h.future.exception() is None for h in handles)
     assert torch.equal(cpu[0][:5], gpu[0][:5]) and fake.live() == live
