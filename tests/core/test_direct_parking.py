@@ -92,7 +92,7 @@ def test_close_drains_parked_calls_and_joins_its_threads():
 
 
 def test_a_bad_ready_handle_refuses_a_parked_call_too():
-    copier, _, _ = rig(1)
+    copier, gpu, cpu = rig(1)  # the tensors stay alive: the held copies read and write them
     stream = copier.stream(0)
     with holding(copier, stream):
         copier.submit(0, np.array([1]), np.array([1]))
@@ -100,7 +100,7 @@ def test_a_bad_ready_handle_refuses_a_parked_call_too():
             copier.submit(0, [2], [2], 1, 0xDEAD)  # snapshot refused: nothing parked, no sequence number taken
         assert copier.inflight(0) == (1, 0) and copier.submit(0, [3], [3]) == 2
         fake.hold(stream, False)
-        assert copier.wait(0, 2, 5)
+        assert copier.wait(0, 2, 5) and torch.equal(cpu[[1, 3]], gpu[[1, 3]])
 
 
 def test_max_inflight_below_one_is_refused():
