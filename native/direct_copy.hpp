@@ -260,6 +260,17 @@ private:
 
     // Queue one call on the copy stream (dir.mu held). False (error set) when nothing was queued.
     bool issue(Dir& dir, Call& call, std::string& error) {
+        // Every event this call records is taken first: a failed cuEventCreate queues nothing.
+        Pending p{call.seq, nullptr, "", call.snapshot, {}};
+        auto give_back = [&] {
+            if (p.event) dir.pool.push_back(p.event);
+            dir.marks.insert(dir.marks.end(), p.marks.begin(), p.marks.end());
+        };
+        try {
+            p.event = take(dir.pool, cu::EVENT_BLOCKING_SYNC | cu::EVENT_DISABLE_TIMING, "done");
+            for (size_t m = 0; call.layers && m <= call.layers->groups.size(); ++m)
+                p.marks.push_back(take(dir.marks, cu::EVENT_DISABLE_TIMING, "mark"));
+        } catch (...) { give_back(); throw; }
         cu::CUresult rc = cu::SUCCESS;
         if (call.ready == EVENT) {
             rc = d_.stream_wait_event(dir.stream, reinterpret_cast<cu::CUevent>(call.handle), 0);
@@ -270,9 +281,8 @@ private:
             else if ((rc = d_.stream_wait_event(dir.stream, dir.ready, 0)) != cu::SUCCESS)
                 error = "cuStreamWaitEvent failed with CUresult " + S(rc);
         }
-        if (rc != cu::SUCCESS) return false;
-        cu::CUevent done = take(dir.pool, cu::EVENT_BLOCKING_SYNC | cu::EVENT_DISABLE_TIMING, "done");
-        Pending p{call.seq, done, "", call.snapshot, {}};
+        if (rc != cu::SUCCESS) { give_back(); return false; }
+        cu::CUevent done = p.event;
         const i64 n = static_cast<i64>(call.src.size());
         const std::vector<i64>& g = dir.store ? call.src : call.dst;
         const std::vector<i64>& s = dir.store ? call.dst : call.src;
@@ -290,14 +300,13 @@ private:
                 plan_descriptors(regions_, dir.gpu.data(), dir.slots.data(), static_cast<i64>(dir.gpu.size()), false, dma_rows_, dir.desc, dir.order, only);
                 add_error(p.error, issue_batch(dir));
                 dir.last_desc += dir.desc.size();
-                cu::CUevent mark = take(dir.marks, cu::EVENT_DISABLE_TIMING, "mark");
+                cu::CUevent& mark = p.marks[part];
                 if ((rc = d_.event_record(mark, dir.stream)) != cu::SUCCESS) {  // its waiters must not wait on a stale record
                     add(p.error, "cuEventRecord(mark " + S(static_cast<i64>(part)) + ") failed with CUresult " + S(rc));
                     d_.stream_synchronize(dir.stream);
                     dir.marks.push_back(mark);
                     mark = nullptr;
                 }
-                p.marks.push_back(mark);
             }
         }
         rc = d_.event_record(done, dir.stream);
