@@ -43,7 +43,10 @@ class DirectLayerLoads:
         self._groups, self._last_group = copy_groups(groups, len(gpu))
         self._fake = driver.startswith("fake:")
         self._device = gpu[0].device
-        device = 0 if self._fake else int(self._device.index if self._device.index is not None else torch.cuda.current_device())
+        device = 0
+        if not self._fake:
+            torch.cuda.init()  # the primary context the copier retains is torch's
+            device = int(self._device.index if self._device.index is not None else torch.cuda.current_device())
         self._copier = core.DirectCopier(driver, device, region_geometry(gpu, cpu), int(gpu[0].shape[0]),
                                          int(cpu[0].shape[0]), int(dma_rows or 0), max_inflight)  # fmt: skip
         self._started: deque[tuple[int, list[int], Callable[[int, bool], None]]] = deque()
