@@ -24,8 +24,7 @@
 #include <thread>
 #include <tuple>
 
-#include "copy_plan.hpp"
-#include "cuda_driver.hpp"
+#include "batch_submit.hpp"
 
 namespace tkv {
 
@@ -98,9 +97,10 @@ public:
         std::array<u64, 2> done{dirs_[0].completed.load(), dirs_[1].completed.load()};
         std::vector<std::tuple<int, u64, std::string>> errors;
         for (int i = 0; i < 2; ++i) {
+            if (dirs_[i].failed.load() == 0) continue;  // the lock may be held while a parked call is issued
             std::lock_guard<std::mutex> lock(dirs_[i].mu);
             for (auto it = dirs_[i].errors.begin(); it != dirs_[i].errors.end() && it->first <= done[i];)
-                errors.emplace_back(i, it->first, it->second), it = dirs_[i].errors.erase(it);
+                errors.emplace_back(i, it->first, it->second), it = dirs_[i].errors.erase(it), --dirs_[i].failed;
         }
         return {done, errors};
     }
@@ -201,6 +201,7 @@ private:
         std::condition_variable cv;
         std::thread thread;
         std::atomic<u64> completed{0};
+        std::atomic<size_t> failed{0};  // entries in errors
         u64 submitted = 0;
         bool stop = false;
         Descriptors desc;
@@ -228,6 +229,7 @@ private:
         return dir.cv.wait_for(lock, std::chrono::duration<double>(timeout_s), pred);
     }
     static void add(std::string& error, const std::string& more) { error += (error.empty() ? "" : "; ") + more; }
+    static void add_error(std::string& error, const std::string& more) { if (!more.empty()) add(error, more); }
 
     cu::CUevent take(std::vector<cu::CUevent>& pool, unsigned flags, const char* what) {  // dir.mu held
         if (!pool.empty()) {
@@ -288,7 +290,7 @@ private:
         const std::vector<i64>& s = dir.store ? call.dst : call.src;
         if (!call.layers) {
             plan_descriptors(regions_, g.data(), s.data(), n, dir.store, dma_rows_, dir.desc, dir.order);
-            add_error(p.error, issue_batch(dir));
+            add_error(p.error, submit_batch(d_, dir.desc, dir.stream));
             dir.last_desc = dir.desc.size();
         } else {
             dir.last_desc = 0;
@@ -298,7 +300,7 @@ private:
                     if ((call.layers->edge[static_cast<size_t>(i)] != 0) == (part == 0)) dir.gpu.push_back(g[i]), dir.slots.push_back(s[i]);
                 const std::vector<int>* only = part == 0 ? nullptr : &call.layers->groups[part - 1];
                 plan_descriptors(regions_, dir.gpu.data(), dir.slots.data(), static_cast<i64>(dir.gpu.size()), false, dma_rows_, dir.desc, dir.order, only);
-                add_error(p.error, issue_batch(dir));
+                add_error(p.error, submit_batch(d_, dir.desc, dir.stream));
                 dir.last_desc += dir.desc.size();
                 cu::CUevent& mark = p.marks[part];
                 if ((rc = d_.event_record(mark, dir.stream)) != cu::SUCCESS) {  // its waiters must not wait on a stale record
@@ -321,32 +323,6 @@ private:
         dir.cv.notify_all();
         return true;
     }
-    static void add_error(std::string& error, const std::string& more) { if (!more.empty()) add(error, more); }
-
-    std::string issue_batch(Dir& dir) {
-        Descriptors& desc = dir.desc;
-        const size_t count = desc.size();
-        if (count == 0) return "";
-        if (d_.has_batch()) {
-            cu::MemcpyAttributes attr{};
-            attr.srcAccessOrder = cu::SRC_ACCESS_ORDER_STREAM;
-            attr.flags = cu::MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE;
-            size_t first = 0, fail_idx = SIZE_MAX;
-            auto* dst = reinterpret_cast<cu::CUdeviceptr*>(desc.dst.data());
-            auto* src = reinterpret_cast<cu::CUdeviceptr*>(desc.src.data());
-            cu::CUresult rc = d_.batch13 ? d_.batch13(dst, src, desc.bytes.data(), count, &attr, &first, 1, dir.stream)
-                                         : d_.batch12(dst, src, desc.bytes.data(), count, &attr, &first, 1, &fail_idx, dir.stream);
-            if (rc == cu::SUCCESS) return "";
-            return "cuMemcpyBatchAsync of " + S(static_cast<i64>(count)) + " copies failed with CUresult " + S(rc) +
-                   (fail_idx != SIZE_MAX ? " at copy " + S(static_cast<i64>(fail_idx)) : "");
-        }
-        for (size_t i = 0; i < count; ++i) {
-            cu::CUresult rc = d_.memcpy_async(desc.dst[i], desc.src[i], desc.bytes[i], dir.stream);
-            if (rc != cu::SUCCESS)
-                return "cuMemcpyAsync " + S(static_cast<i64>(i)) + " of " + S(static_cast<i64>(count)) + " failed with CUresult " + S(rc);
-        }
-        return "";
-    }
 
     void complete(Dir& dir) {
         d_.ctx_set_current(ctx_);
@@ -361,7 +337,7 @@ private:
             Pending p = std::move(dir.queue.front());
             dir.queue.pop_front();
             if (rc != cu::SUCCESS) add(p.error, "cuEventSynchronize failed with CUresult " + S(rc));
-            if (!p.error.empty()) dir.errors[p.seq] = p.error;
+            if (!p.error.empty()) dir.errors[p.seq] = p.error, ++dir.failed;
             if (p.event) dir.pool.push_back(p.event);
             if (p.snapshot) dir.snaps.push_back(p.snapshot);
             for (cu::CUevent m : p.marks) if (m) dir.marks.push_back(m);
