@@ -5,7 +5,6 @@
 #include "convert.hpp"
 #include "direct_copy.hpp"
 #include "fake_driver.hpp"
-#include "ring_plan.hpp"
 
 namespace tkv {
 
@@ -112,6 +111,24 @@ inline void bind_direct(py::module_& m) {
             py::gil_scoped_release unlocked;
             return c.wait_mark(seq, mark, stream, timeout_s);
         }, py::arg("seq"), py::arg("mark"), py::arg("stream"), py::arg("timeout_s") = -1.0)
+        // The staged road (staged_issue.hpp): functions (gather, scatter), the region table's 4 device arrays, the
+        // rings and the ids slots per direction (store, load).
+        .def("set_staged", [](DirectCopier& c, std::array<u64, 2> functions, unsigned threads, unsigned shared, unsigned programs,
+                              unsigned scratch, std::array<u64, 4> table, i64 elem, i64 row_bytes, i64 n_regions, u64 slab_base,
+                              i64 slab_stride, i64 chunk_rows, i64 max_rows, std::array<std::vector<u64>, 2> rings,
+                              std::array<u64, 2> ids_host, std::array<u64, 2> ids_dev) {
+            auto r = std::make_unique<StagedRoad>();
+            std::copy(functions.begin(), functions.end(), r->function);
+            r->threads = threads, r->shared = shared, r->programs = programs, r->scratch = scratch;
+            std::copy(table.begin(), table.end(), r->table);
+            r->elem = elem, r->row_bytes = row_bytes, r->n_regions = n_regions, r->slab_base = slab_base, r->slab_stride = slab_stride;
+            r->chunk_rows = chunk_rows, r->max_rows = max_rows;
+            for (int i = 0; i < 2; ++i) r->ring[i] = rings[i], r->ids_host[i] = ids_host[i], r->ids_dev[i] = ids_dev[i];
+            c.set_staged(std::move(r));
+        }, py::arg("functions"), py::arg("threads"), py::arg("shared"), py::arg("programs"), py::arg("scratch"), py::arg("table"),
+           py::arg("elem"), py::arg("row_bytes"), py::arg("n_regions"), py::arg("slab_base"), py::arg("slab_stride"),
+           py::arg("chunk_rows"), py::arg("max_rows"), py::arg("rings"), py::arg("ids_host"), py::arg("ids_dev"))
+        .def_property_readonly("staged", &DirectCopier::staged)
         .def("inflight", &DirectCopier::inflight)
         .def_property_readonly("max_inflight", &DirectCopier::max_inflight)
         .def("poll", [](DirectCopier& c) {
@@ -139,6 +156,8 @@ inline void bind_direct(py::module_& m) {
     f.def("query", [](u64 e) { return fake::event_query(reinterpret_cast<cu::CUevent>(e)) == cu::SUCCESS; });
     f.def("hold", [](u64 s, bool held) { py::gil_scoped_release u; fake::hold(reinterpret_cast<cu::CUstream>(s), held); }, py::arg("stream"), py::arg("held") = true);
     f.def("step", [](u64 s, long long records) { py::gil_scoped_release u; fake::step(reinterpret_cast<cu::CUstream>(s), records); }, py::arg("stream"), py::arg("records") = 1);
+    f.def("ring_function", [](bool load, int elem) { return reinterpret_cast<u64>(fake::ring_function(load, elem)); },
+          py::arg("load"), py::arg("elem"));
     f.def("fail_batches", [](int n) { std::lock_guard<std::mutex> l(fake::device().mu); fake::device().fail_batches = n; });
     f.def("move_bytes", [](bool on) { std::lock_guard<std::mutex> l(fake::device().mu); fake::device().move_bytes = on; });
     f.def("counts", []() { std::lock_guard<std::mutex> l(fake::device().mu); return fake::device().counts; });

@@ -24,7 +24,7 @@
 #include <thread>
 #include <tuple>
 
-#include "batch_submit.hpp"
+#include "staged_issue.hpp"
 
 namespace tkv {
 
@@ -165,6 +165,16 @@ public:
     u64 submits() const { return submits_; }
     size_t max_inflight() const { return cap_; }
     size_t num_regions() const { return regions_.size(); }
+    // Take the staged road (small rows through staging) for every later call but layered loads; before any call.
+    void set_staged(std::unique_ptr<StagedRoad> road) {
+        if (submits_ != 0) fail(Err::Transfer, "direct copy: set_staged after the first call");
+        if (!road->function[0] || !road->function[1] || road->ring[0].empty() || road->ring[1].empty() || road->chunk_rows < 1 ||
+            road->elem < 1 || road->row_bytes % road->elem != 0 || road->max_rows < std::max(num_blocks_, num_slots_))
+            fail(Err::Transfer, "direct copy: a staged road needs both kernels, a ring per direction, chunk rows >= 1 and ids slots "
+                                "of max(blocks, slots) = " + S(std::max(num_blocks_, num_slots_)) + " rows");
+        staged_ = std::move(road);
+    }
+    bool staged() const { return staged_ != nullptr; }
     // (issued and not completed, parked) calls of one direction.
     std::pair<size_t, size_t> inflight(int direction) {
         std::lock_guard<std::mutex> lock(dirs_[direction].mu);
@@ -205,6 +215,7 @@ private:
         u64 submitted = 0;
         bool stop = false;
         Descriptors desc;
+        RingPlan ring;  // the staged road's plan of the call being issued
         std::vector<i64> order, gpu, slots;
         size_t last_desc = 0;
     };
@@ -288,7 +299,11 @@ private:
         const i64 n = static_cast<i64>(call.src.size());
         const std::vector<i64>& g = dir.store ? call.src : call.dst;
         const std::vector<i64>& s = dir.store ? call.dst : call.src;
-        if (!call.layers) {
+        if (!call.layers && staged_) {
+            add_error(p.error, issue_staged(d_, *staged_, dir.store ? 0 : 1, call.seq, cap_, g.data(), s.data(), n, dma_rows_, dir.stream,
+                                            dir.ring, dir.order, dir.desc));
+            dir.last_desc = dir.ring.desc.size();
+        } else if (!call.layers) {
             plan_descriptors(regions_, g.data(), s.data(), n, dir.store, dma_rows_, dir.desc, dir.order);
             add_error(p.error, submit_batch(d_, dir.desc, dir.stream));
             dir.last_desc = dir.desc.size();
@@ -359,6 +374,7 @@ private:
     }
 
     cu::Driver d_;
+    std::unique_ptr<StagedRoad> staged_;
     std::vector<PlanRegion> regions_;
     i64 num_blocks_, num_slots_, dma_rows_;
     size_t cap_;

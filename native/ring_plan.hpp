@@ -5,11 +5,33 @@
 // consecutive slots between the chunk and the slab (cut at dma_rows), all issued as one batch per chunk.
 // Pure C++ over arrays, no driver (the ids are checked by check_ids first).
 #pragma once
+#include <cstring>
 #include <numeric>
 
 #include "copy_plan.hpp"
 
 namespace tkv {
+
+// The staged kernel's parameters in order (cuLaunchKernel's kernelParams point at each field), as
+// ring_kernel.py's _ring_kernel takes them: widths, strides, columns and chunk_row in elements of elem bytes.
+struct RingArgs {
+    u64 ids, gpu_addr, gpu_stride, widths, cols;  // device int64 arrays
+    i64 chunk_addr, chunk_row;
+    int n_rows, n_regions;
+};
+
+// What the kernel does, on the host: the fake driver's launch, and the reference the tests compare with.
+inline void ring_reference(const RingArgs& a, i64 elem, bool load) {
+    auto at = [](u64 base, i64 i) { return reinterpret_cast<const i64*>(base)[i]; };
+    for (i64 item = 0; item < static_cast<i64>(a.n_rows) * a.n_regions; ++item) {
+        const i64 row = item / a.n_regions, r = item % a.n_regions;
+        char* gpu = reinterpret_cast<char*>(at(a.gpu_addr, r) + at(a.ids, row) * at(a.gpu_stride, r) * elem);
+        char* host = reinterpret_cast<char*>(a.chunk_addr + (row * a.chunk_row + at(a.cols, r)) * elem);
+        const size_t bytes = static_cast<size_t>(at(a.widths, r) * elem);
+        if (load) std::memcpy(gpu, host, bytes);
+        else std::memcpy(host, gpu, bytes);
+    }
+}
 
 struct RingPlan {
     std::vector<i64> gpu;     // GPU block ids in slab order: chunk k's rows are [starts[k], starts[k + 1])

@@ -91,7 +91,8 @@ class DirectCopyEngine(CopyEngine):
 
     def __init__(
         self, gpu_regions: Sequence[torch.Tensor], cpu_regions: Sequence[torch.Tensor], *,
-        dma_rows: int | None = None, driver: str = "cuda", max_inflight: int = MAX_INFLIGHT,
+        dma_rows: int | None = None, driver: str = "cuda", max_inflight: int = MAX_INFLIGHT, road: str = "direct",
+        chunk_bytes: int = 8 << 20,
     ) -> None:  # fmt: skip
         super().__init__(gpu_regions, cpu_regions)
         if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
@@ -106,9 +107,28 @@ class DirectCopyEngine(CopyEngine):
         self._device_index = device
         self._copier = core.DirectCopier(driver, device, region_geometry(self._gpu, self._cpu),
                                          self.num_blocks, self.num_slots, int(dma_rows or 0), max_inflight)  # fmt: skip
+        self._keep: list[torch.Tensor] = []  # the staged road's buffers, which the native copier addresses
+        try:
+            self._take_road(road, max_inflight, chunk_bytes)
+        except BaseException:
+            self._copier.close()
+            raise
         self._waiting: tuple[deque, deque] = (deque(), deque())  # per direction: (seq, future), in order
         self._loop: asyncio.AbstractEventLoop | None = None
         self.wakeups = 0  # loop wakeups that resolved calls (one per burst of completions)
+
+    def _take_road(self, road: str, max_inflight: int, chunk_bytes: int) -> None:
+        """``direct`` (every row a descriptor), ``staged`` (small rows through a staging ring and the capped
+        kernel), or ``auto`` (staged unless every row is >= DIRECT_MIN_ROW or the block is one region)."""
+        if road not in ("direct", "staged", "auto"):
+            raise ConfigError(f"road must be direct, staged or auto, got {road!r}")
+        # Imported here: ring_kernel imports this module (DIRECT_MIN_ROW).
+        from .ring_kernel import ring_road
+        from .staged_road import attach_staged
+
+        if road == "staged" or (road == "auto" and ring_road(self._gpu).startswith("staged")):
+            self.copy_path, self._keep = attach_staged(self._copier, self._gpu, self._cpu, fake=self._fake,
+                                                       max_inflight=max_inflight, chunk_bytes=chunk_bytes)  # fmt: skip
 
     def _check_cuda(self) -> int:
         dev = self._gpu[0].device

@@ -131,9 +131,17 @@ def launch(table: RingTable, ids: torch.Tensor, chunk_addr: int, n_rows: int, *,
     )  # fmt: skip
 
 
-def ring_road(gpu: Sequence[torch.Tensor], min_row: int = DIRECT_MIN_ROW) -> str:
+def ring_road(gpu: Sequence[torch.Tensor], min_row: int = DIRECT_MIN_ROW, *, ring_chunks: int = RING_CHUNKS,
+              chunk_bytes: int = CHUNK_BYTES, programs: int = PROGRAMS) -> str:  # fmt: skip
     """The road a layout takes, named with its threshold: ``direct`` (one region per block id: the block is
     contiguous on the GPU; or every row >= ``min_row``), else ``staged``."""
     if len(gpu) == 1 or all(int(g.shape[1]) >= min_row for g in gpu):
         return f"direct(min_row={min_row})"
-    return f"staged(min_row={min_row},ring={RING_CHUNKS}x{CHUNK_BYTES >> 20}MiB,programs={PROGRAMS})"
+    return staged_path(min_row, ring_chunks=ring_chunks, chunk_bytes=chunk_bytes, programs=programs)
+
+
+def staged_path(min_row: int = DIRECT_MIN_ROW, *, ring_chunks: int = RING_CHUNKS, chunk_bytes: int = CHUNK_BYTES,
+                programs: int = PROGRAMS) -> str:  # fmt: skip
+    """The staged road's copy path name, with its threshold, ring and grid."""
+    size = f"{chunk_bytes >> 20}MiB" if chunk_bytes % (1 << 20) == 0 else f"{chunk_bytes}B"
+    return f"staged(min_row={min_row},ring={ring_chunks}x{size},programs={programs})"
