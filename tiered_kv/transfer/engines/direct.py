@@ -36,9 +36,10 @@ import torch
 from ...core import core
 from ...errors import ConfigError, LayoutError, TransferError
 from .base import Compute, CopyEngine, CopyHandle, Direction, check_compute, is_event
+from .ring_kernel import DIRECT_MIN_ROW, ring_road
 from .staged import host_slabs
+from .staged_road import attach_staged
 
-DIRECT_MIN_ROW = 1 << 20
 # Calls issued to the copy stream per direction; later ones are parked natively, in order, and issued by the
 # completion thread as slots free (so the link always has the next calls queued: copy-path-design.md 2.1.7).
 MAX_INFLIGHT = 4
@@ -122,10 +123,6 @@ class DirectCopyEngine(CopyEngine):
         kernel), or ``auto`` (staged unless every row is >= DIRECT_MIN_ROW or the block is one region)."""
         if road not in ("direct", "staged", "auto"):
             raise ConfigError(f"road must be direct, staged or auto, got {road!r}")
-        # Imported here: ring_kernel imports this module (DIRECT_MIN_ROW).
-        from .ring_kernel import ring_road
-        from .staged_road import attach_staged
-
         if road == "staged" or (road == "auto" and ring_road(self._gpu).startswith("staged")):
             self.copy_path, self._keep = attach_staged(self._copier, self._gpu, self._cpu, fake=self._fake,
                                                        max_inflight=max_inflight, chunk_bytes=chunk_bytes)  # fmt: skip

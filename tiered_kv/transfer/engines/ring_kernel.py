@@ -25,9 +25,11 @@ import torch
 
 from ...errors import LayoutError, TransferError
 from . import table_kernel
-from .direct import DIRECT_MIN_ROW
 from .staged import host_slabs
 
+# The threshold between the roads: at ~0.75 us of copy engine per descriptor, 1 MiB rows reach ~0.96 of the
+# link on their own, 256 KiB rows ~0.84 (shared/gpu/copy-path-design.md 2.2); smaller rows are staged.
+DIRECT_MIN_ROW = 1 << 20
 PROGRAMS = 16
 RING_CHUNKS = 4
 CHUNK_BYTES = 8 << 20

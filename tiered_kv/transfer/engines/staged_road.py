@@ -19,8 +19,7 @@ import torch
 
 from ...core import core
 from ...errors import TransferError
-from .direct import DIRECT_MIN_ROW
-from .ring_kernel import CHUNK_BYTES, PROGRAMS, RING_CHUNKS, ring_table, staged_path
+from .ring_kernel import CHUNK_BYTES, DIRECT_MIN_ROW, PROGRAMS, RING_CHUNKS, ring_table, staged_path
 from .staged import host_slabs
 
 
