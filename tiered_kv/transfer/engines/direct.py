@@ -9,6 +9,11 @@ one descriptor per run of slots consecutive on both sides (per region, cut at ``
 copy stream wait for the ready event and issues one ``cuMemcpyBatchAsync`` plus a done-event record.
 No torch.cuda call per call except reading the current stream when ``compute`` is None.
 
+``road="staged"`` (or ``"auto"`` for rows under ``DIRECT_MIN_ROW``): small rows go through a ring of
+staging chunks per direction instead, one capped-kernel launch and one batch per chunk from the same native
+submit (staged_road.py, ring_kernel.py, native/staged_issue.hpp); ``copy_path`` then names the road, its
+threshold, ring and grid. Fake driver only until its Triton launch is pinned and measured on a GPU.
+
 Calls in flight: at most ``max_inflight`` (default 4) calls per direction are issued to that direction's copy
 stream; a later one is parked in the native copier (its readiness recorded at submit) and issued by the
 completion thread as soon as a slot frees. ``submit_*`` never blocks the loop.
