@@ -51,8 +51,10 @@ inline void check_ids(const std::vector<i64>& src, const std::vector<i64>& dst, 
 
 // Descriptors of one call: block gpu_ids[i] <-> slot slots[i] for every region (ids already checked).
 // store: GPU -> slab (src is the GPU row); else slab -> GPU. dma_rows <= 0: no registration chunks.
+// only: the indices of the regions to copy (a layer group of a layered load); null: every region.
 inline void plan_descriptors(const std::vector<PlanRegion>& regions, const i64* gpu_ids, const i64* slots, i64 n,
-                             bool store, i64 dma_rows, Descriptors& out, std::vector<i64>& order) {
+                             bool store, i64 dma_rows, Descriptors& out, std::vector<i64>& order,
+                             const std::vector<int>* only = nullptr) {
     out.clear();
     if (n <= 0) return;
     order.resize(static_cast<size_t>(n));
@@ -69,7 +71,9 @@ inline void plan_descriptors(const std::vector<PlanRegion>& regions, const i64* 
                (dma_rows <= 0 || (s0 + (b - a)) % dma_rows != 0))
             ++b;
         const i64 rows = b - a;
-        for (const PlanRegion& r : regions) {
+        const size_t count = only ? only->size() : regions.size();
+        for (size_t q = 0; q < count; ++q) {
+            const PlanRegion& r = regions[only ? static_cast<size_t>((*only)[q]) : q];
             if (r.row_bytes == 0) continue;
             const i64 per = r.dense() ? rows : 1;  // rows merged into one descriptor
             for (i64 k = 0; k < rows; k += per) {

@@ -19,6 +19,7 @@ using CUdeviceptr = unsigned long long;
 using CUstream = struct CUstream_st*;
 using CUevent = struct CUevent_st*;
 using CUcontext = struct CUctx_st*;
+using CUfunction = struct CUfunc_st*;
 
 constexpr CUresult SUCCESS = 0;
 constexpr CUresult ERROR_NOT_READY = 600;
@@ -66,6 +67,8 @@ struct Driver {
     CUresult (*device_get)(CUdevice*, int) = nullptr;
     CUresult (*primary_ctx_retain)(CUcontext*, CUdevice) = nullptr;
     CUresult (*primary_ctx_release)(CUdevice) = nullptr;
+    CUresult (*launch_kernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
+                              void**, void**) = nullptr;  // grid xyz, block xyz, shared bytes, stream, params, extra
     bool has_batch() const { return batch12 || batch13; }
 };
 
@@ -112,6 +115,7 @@ inline std::string load_driver(Driver& d) {
     need(d.device_get, "cuDeviceGet", 2000);
     need(d.primary_ctx_retain, "cuDevicePrimaryCtxRetain", 7000);
     need(d.primary_ctx_release, "cuDevicePrimaryCtxRelease", 11000);
+    need(d.launch_kernel, "cuLaunchKernel", 4000);
     if (!missing.empty()) return "the CUDA driver (version " + std::to_string(d.version) + ") lacks " + missing;
     if (d.version >= 13000) d.batch13 = reinterpret_cast<BatchV13000>(get("cuMemcpyBatchAsync", 13000));
     else if (d.version >= 12080) d.batch12 = reinterpret_cast<BatchV12080>(get("cuMemcpyBatchAsync", 12080));

@@ -12,6 +12,7 @@
 #include <set>
 
 #include "cuda_driver.hpp"
+#include "ring_plan.hpp"
 
 namespace tkv::fake {
 
@@ -24,12 +25,20 @@ struct Event {
 };
 
 struct Op {
-    enum Kind { Copy, Record, Wait } kind;
+    enum Kind { Copy, Record, Wait, Launch } kind;
     CUdeviceptr src = 0, dst = 0;
-    size_t bytes = 0;
+    size_t bytes = 0;  // Launch: the element size
     Event* event = nullptr;
-    unsigned long long gen = 0;  // Record: the record's number; Wait: the record waited for
+    unsigned long long gen = 0;  // Record: the record's number; Wait: the record waited for; Launch: 1 = scatter
+    RingArgs ring{};  // Launch: the kernel's arguments, copied at launch as CUDA does
 };
+
+// The staged kernel's two functions (gather, scatter) per element size, as fake CUfunction handles.
+inline char ring_functions[2][4];
+inline CUfunction ring_function(bool load, int elem) {
+    const int slot = elem == 8 ? 3 : elem == 4 ? 2 : elem == 2 ? 1 : 0;
+    return reinterpret_cast<CUfunction>(&ring_functions[load ? 1 : 0][slot]);
+}
 
 struct Stream {
     std::deque<Op> ops;
@@ -57,6 +66,7 @@ struct Device {
                     if (op.kind == Op::Wait && op.event->completed < op.gen) break;
                     if (s->held && s->budget <= 0) break;
                     if (op.kind == Op::Copy && move_bytes) std::memcpy(reinterpret_cast<void*>(op.dst), reinterpret_cast<void*>(op.src), op.bytes);
+                    if (op.kind == Op::Launch && move_bytes) ring_reference(op.ring, static_cast<i64>(op.bytes), op.gen == 1);
                     if (op.kind == Op::Record) {
                         op.event->completed = std::max(op.event->completed, op.gen);
                         if (s->held) --s->budget;
@@ -118,6 +128,23 @@ inline CUresult batch12(CUdeviceptr* d, CUdeviceptr* s, size_t* n, size_t c, Mem
     CUresult rc = batch(d, s, n, c, a, i, k, st);
     if (fail_idx) *fail_idx = rc == SUCCESS ? SIZE_MAX : 0;
     return rc;
+}
+
+inline CUresult launch_kernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned, unsigned,
+                              unsigned, CUstream s, void** params, void** extra) {
+    Op op{Op::Launch};
+    for (int load = 0; load < 2; ++load)
+        for (int e = 0; e < 4; ++e)
+            if (f == ring_function(load != 0, 1 << e)) op.gen = static_cast<unsigned long long>(load), op.bytes = size_t(1) << e, op.src = 1;
+    if (!op.src || !params || extra || gx < 1 || gy != 1 || gz != 1 || bx < 1) return ERROR_INVALID_VALUE;
+    op.src = 0;
+    const void* p[9];
+    for (int i = 0; i < 9; ++i) p[i] = params[i];
+    auto u = [&](int i) { return *static_cast<const u64*>(p[i]); };
+    op.ring = RingArgs{u(0), u(1), u(2), u(3), u(4), *static_cast<const i64*>(p[5]), *static_cast<const i64*>(p[6]),
+                       *static_cast<const int*>(p[7]), *static_cast<const int*>(p[8])};
+    { TKV_FAKE_LOCK; ++d.counts["launch"]; d.counts["programs"] += gx; }
+    return enqueue(s, op);
 }
 
 inline CUresult event_create(CUevent* out, unsigned) {
@@ -226,6 +253,7 @@ inline Driver driver(int version) {
     t.device_get = device_get;
     t.primary_ctx_retain = ctx_retain;
     t.primary_ctx_release = ctx_release;
+    t.launch_kernel = launch_kernel;
     return t;
 }
 

@@ -39,6 +39,26 @@ def layer_groups(kv_caches: Mapping[str, Any], regions: Sequence[Any]) -> dict[s
     return out
 
 
+def copy_groups(groups: Mapping[str, list[int]], num_regions: int) -> tuple[list[list[int]], dict[str, int]]:
+    """The region groups a layered load copies, in layer order, and each tensor's name -> the group after
+    which all its regions have landed. A region several tensors share goes with the first of them; regions
+    of no tensor form a last group."""
+    seen: set[int] = set()
+    out: list[list[int]] = []
+    last: dict[str, int] = {}
+    for name, regions in groups.items():
+        new = [r for r in regions if r not in seen]
+        seen.update(new)
+        if new:
+            out.append(new)
+        if regions:
+            last[name] = len(out) - 1
+    rest = [r for r in range(num_regions) if r not in seen]
+    if rest:
+        out.append(rest)
+    return out, last
+
+
 class LayerLoads:
     """One rank's layered loads over (its GPU regions, its CPU sub-slab regions), host tensors only."""
 
@@ -52,19 +72,7 @@ class LayerLoads:
     ) -> None:
         self._gpu = [r.numpy() for r in gpu_regions]
         self._cpu = [r.numpy() for r in cpu_regions]
-        seen: set[int] = set()
-        self._groups: list[list[int]] = []
-        self._last_group: dict[str, int] = {}
-        for name, regions in groups.items():
-            new = [r for r in regions if r not in seen]
-            seen.update(new)
-            if new:
-                self._groups.append(new)
-            if regions:
-                self._last_group[name] = len(self._groups) - 1
-        rest = [r for r in range(len(self._gpu)) if r not in seen]
-        if rest:
-            self._groups.append(rest)
+        self._groups, self._last_group = copy_groups(groups, len(self._gpu))
         self._pace = pace  # tests: called before each group's copies, with its index
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tiered-kv-layers")
 

@@ -9,6 +9,15 @@ one descriptor per run of slots consecutive on both sides (per region, cut at ``
 copy stream wait for the ready event and issues one ``cuMemcpyBatchAsync`` plus a done-event record.
 No torch.cuda call per call except reading the current stream when ``compute`` is None.
 
+``road="staged"`` (or ``"auto"`` for rows under ``DIRECT_MIN_ROW``): small rows go through a ring of
+staging chunks per direction instead, one capped-kernel launch and one batch per chunk from the same native
+submit (staged_road.py, ring_kernel.py, native/staged_issue.hpp); ``copy_path`` then names the road, its
+threshold, ring and grid. Fake driver only until its Triton launch is pinned and measured on a GPU.
+
+Calls in flight: at most ``max_inflight`` (default 4) calls per direction are issued to that direction's copy
+stream; a later one is parked in the native copier (its readiness recorded at submit) and issued by the
+completion thread as soon as a slot frees. ``submit_*`` never blocks the loop.
+
 Completion: a native thread per direction waits on the done events in FIFO order and writes an eventfd;
 the loop watches it (``loop.add_reader``) and resolves every future up to the completed sequence number,
 one wakeup per burst. Ordering is the CUDA engine's contract: the copy stream waits for ``compute`` (an
@@ -30,11 +39,15 @@ import numpy as np
 import torch
 
 from ...core import core
-from ...errors import LayoutError, TransferError
+from ...errors import ConfigError, LayoutError, TransferError
 from .base import Compute, CopyEngine, CopyHandle, Direction, check_compute, is_event
+from .ring_kernel import DIRECT_MIN_ROW, ring_road
 from .staged import host_slabs
+from .staged_road import attach_staged
 
-DIRECT_MIN_ROW = 1 << 20
+# Calls issued to the copy stream per direction; later ones are parked natively, in order, and issued by the
+# completion thread as slots free (so the link always has the next calls queued: copy-path-design.md 2.1.7).
+MAX_INFLIGHT = 4
 _STORE, _LOAD = 0, 1
 _NONE, _EVENT, _STREAM = 0, 1, 2
 
@@ -84,9 +97,12 @@ class DirectCopyEngine(CopyEngine):
 
     def __init__(
         self, gpu_regions: Sequence[torch.Tensor], cpu_regions: Sequence[torch.Tensor], *,
-        dma_rows: int | None = None, driver: str = "cuda",
+        dma_rows: int | None = None, driver: str = "cuda", max_inflight: int = MAX_INFLIGHT, road: str = "direct",
+        chunk_bytes: int = 8 << 20,
     ) -> None:  # fmt: skip
         super().__init__(gpu_regions, cpu_regions)
+        if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
+            raise ConfigError(f"max_inflight (calls in flight per direction) must be an integer >= 1, got {max_inflight!r}")
         if not direct_eligible(self._gpu, self._cpu, min_row=0):
             raise LayoutError("the direct copy path needs GPU rows with adjacent bytes and addressable CPU slab rows")
         self._fake = driver.startswith("fake:")
@@ -96,10 +112,25 @@ class DirectCopyEngine(CopyEngine):
         self.dma_rows = dma_rows
         self._device_index = device
         self._copier = core.DirectCopier(driver, device, region_geometry(self._gpu, self._cpu),
-                                         self.num_blocks, self.num_slots, int(dma_rows or 0))  # fmt: skip
+                                         self.num_blocks, self.num_slots, int(dma_rows or 0), max_inflight)  # fmt: skip
+        self._keep: list[torch.Tensor] = []  # the staged road's buffers, which the native copier addresses
+        try:
+            self._take_road(road, max_inflight, chunk_bytes)
+        except BaseException:
+            self._copier.close()
+            raise
         self._waiting: tuple[deque, deque] = (deque(), deque())  # per direction: (seq, future), in order
         self._loop: asyncio.AbstractEventLoop | None = None
         self.wakeups = 0  # loop wakeups that resolved calls (one per burst of completions)
+
+    def _take_road(self, road: str, max_inflight: int, chunk_bytes: int) -> None:
+        """``direct`` (every row a descriptor), ``staged`` (small rows through a staging ring and the capped
+        kernel), or ``auto`` (staged unless every row is >= DIRECT_MIN_ROW or the block is one region)."""
+        if road not in ("direct", "staged", "auto"):
+            raise ConfigError(f"road must be direct, staged or auto, got {road!r}")
+        if road == "staged" or (road == "auto" and ring_road(self._gpu).startswith("staged")):
+            self.copy_path, self._keep = attach_staged(self._copier, self._gpu, self._cpu, fake=self._fake,
+                                                       max_inflight=max_inflight, chunk_bytes=chunk_bytes)  # fmt: skip
 
     def _check_cuda(self) -> int:
         dev = self._gpu[0].device
@@ -128,6 +159,14 @@ class DirectCopyEngine(CopyEngine):
     def last_descriptors(self, direction: Direction) -> int:
         """Descriptors the last call of ``direction`` issued (one per run and dense region)."""
         return int(self._copier.last_descriptors(_STORE if direction is Direction.STORE else _LOAD))
+
+    def queued(self, direction: Direction) -> tuple[int, int]:
+        """(calls issued to the copy stream and not completed, calls parked for a free slot) of ``direction``."""
+        return tuple(self._copier.inflight(_STORE if direction is Direction.STORE else _LOAD))
+
+    @property
+    def max_inflight(self) -> int:
+        return int(self._copier.max_inflight)
 
     @property
     def batched(self) -> bool:
