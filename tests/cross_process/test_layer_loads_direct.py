@@ -7,10 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from scheduler_helpers import WORLD, config
 
 import tiered_kv as tkv
 from tiered_kv.core import core
-from tiered_kv.cross_process import LOAD, ShardJob, layer_groups
+from tiered_kv.cross_process import LOAD, ShardCopier, ShardJob, layer_groups, segment_info_for
 from tiered_kv.cross_process.layer_loads_direct import DirectLayerLoads
 from tiered_kv.errors import TransferError
 from tiered_kv.transfer.engines.direct import RawHandle
@@ -147,3 +148,39 @@ def test_bad_ids_refuse_the_load_and_queue_nothing():
         assert fake.counts().get("batch", 0) == 0 and layers.poll() == []
     finally:
         layers.close()
+
+
+class FakeRoadCopier(ShardCopier):
+    """A host rank whose layered loads take the direct road's marks on the fake driver, as a CUDA rank's
+    direct road does on a GPU (ShardCopier._layered_loads); the rest of its copies stay on the host engine."""
+
+    def _layered_loads(self, groups):
+        self.built = DirectLayerLoads(list(self.layout.regions), self._cpu_regions, groups, driver="fake:13000")
+        return self.built
+
+
+def test_the_copier_reports_direct_layered_loads_through_poll_wait_and_pending(tmp_path):
+    kv = {name: torch.zeros(64, 256, dtype=torch.uint8) for name in LAYERS}
+    layout = tkv.KVLayout.from_tensors(kv, 64)
+    copier = FakeRoadCopier(layout, rank=0, world_size=WORLD)
+    copier.open(segment_info_for(config(tmp_path), layout, world_size=WORLD, engine_id="direct-layers"))
+    held = None
+    try:
+        assert copier.enable_layers(layer_groups(kv, layout.regions))
+        held = copier.built.stream_handle
+        shard = copier.segment.shard(0)
+        shard[[2, 5, 7]] = np.random.default_rng(3).integers(1, 256, (3, 1024), dtype=np.uint8)
+        fake.hold(held)
+        copier.submit_layered([ShardJob(11, LOAD, np.array([20, 21, 22]), np.array([2, 5, 7]))])
+        assert copier.pending == 1 and copier.poll() == ([], [])
+        with pytest.raises(TransferError, match=r"jobs \[11\] still copying after 0.05 s"):
+            copier.wait([11], 0.05)
+        fake.hold(held, False)
+        copier.wait([11], 10)  # reported through the copier's own wait: no thread of the loads calls back
+        assert copier.poll() == ([11], []) and copier.pending == 0
+        for i, name in enumerate(LAYERS):
+            assert np.array_equal(kv[name][[20, 21, 22]].numpy(), shard[[2, 5, 7], 256 * i : 256 * (i + 1)])
+    finally:
+        if held is not None:
+            fake.hold(held, False)
+        copier.close()

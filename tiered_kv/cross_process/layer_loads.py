@@ -86,6 +86,14 @@ class LayerLoads:
         self._pool.submit(self._copy, list(jobs), load, done)
         return load
 
+    def poll(self) -> list[int]:
+        """Nothing to report here: the copy thread calls ``done`` for each job itself."""
+        return []
+
+    def wait(self, timeout_s: float | None = None) -> list[int]:
+        """As ``poll`` (the caller waits on its own jobs' reports); the direct road's loads block here."""
+        return []
+
     def _copy(self, jobs: list[Any], load: LayeredLoad, done: Callable[[int, bool], None]) -> None:
         ok = True
         try:

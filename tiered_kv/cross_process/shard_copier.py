@@ -33,7 +33,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, LayoutError, TransferError
 from ..layout import KVLayout
@@ -45,6 +45,9 @@ from ..transfer.engines import make_engine
 from ..transfer.engines.base import CountedCopies, Direction, compute_event
 from .layer_loads import LayeredLoad, LayerLoads
 from .shard_jobs import STORE, ShardJob
+
+if TYPE_CHECKING:
+    from .layer_loads_direct import DirectLayeredLoad, DirectLayerLoads
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +81,10 @@ class ShardCopier:
         self.segment: SharedSegment | None = None
         self._engine: CountedCopies | None = None
         self._cpu_regions: list = []  # this rank's sub-slab, one view per region
-        self._layers: LayerLoads | None = None  # layer-wise synchronous loads (host engine: layer_loads.py)
+        # Layer-wise synchronous loads: a host engine's thread (layer_loads.py), or the direct road's marks on
+        # CUDA (layer_loads_direct.py); the table and stream paths keep whole-step loads.
+        self._layers: LayerLoads | DirectLayerLoads | None = None
+        self._dma_rows: int | None = None  # CUDA: rows per DMA of the pinned sub-slab (its pinned chunks)
         self._pinned: HostRegistration | None = None
         self._lock = threading.Condition(threading.Lock())
         self._ok: list[int] = []  # finished since the last poll
@@ -140,6 +146,7 @@ class ShardCopier:
         dma_rows = None
         if self.kind == "cuda":
             self._pinned, dma_rows = _pin(seg, self.rank, self.layout.device, self.pin_chunk)
+            self._dma_rows = dma_rows
         engine = make_engine(self.kind, gpu, cpu, dma_rows=dma_rows, counted=True)
         if not isinstance(engine, CountedCopies):  # the factory's promise for counted=True
             raise ConfigError(f"the {self.kind} copy engine {type(engine).__name__} has no loop-free copies")
@@ -182,18 +189,30 @@ class ShardCopier:
                 self._inflight[Direction.STORE if job.direction == STORE else Direction.LOAD].append((seq, job.job_id))
 
     def enable_layers(self, groups: dict[str, list[int]]) -> bool:
-        """Copy synchronous loads layer group by group (``submit_layered``): on a host engine with more
-        than one group of regions (layer_loads.py). False: not here (CUDA keeps whole-step loads)."""
-        if self.kind != "host" or self._engine is None or self._layers is not None:
+        """Copy synchronous loads layer group by group (``submit_layered``) when there is more than one group
+        of regions: on a host engine (layer_loads.py) or CUDA's direct road (layer_loads_direct.py: one mark
+        per group on the load stream). False: not here (CUDA's table and stream paths keep whole-step loads)."""
+        if self._engine is None or self._layers is not None:
             return self._layers is not None
-        layers = LayerLoads(list(self.layout.regions), self._cpu_regions, groups)
+        layers = self._layered_loads(groups)
+        if layers is None:
+            return False
         if layers.num_groups < 2:
             layers.close()
             return False
         self._layers = layers
         return True
 
-    def submit_layered(self, jobs: Sequence[ShardJob]) -> LayeredLoad:
+    def _layered_loads(self, groups: dict[str, list[int]]) -> LayerLoads | DirectLayerLoads | None:
+        if self.kind == "host":
+            return LayerLoads(list(self.layout.regions), self._cpu_regions, groups)
+        if self.copy_path == "direct":  # the marks need the direct road's rows (opt-in until measured)
+            from .layer_loads_direct import DirectLayerLoads  # torch and the CUDA driver: a CUDA rank only
+
+            return DirectLayerLoads(list(self.layout.regions), self._cpu_regions, groups, dma_rows=self._dma_rows)
+        return None
+
+    def submit_layered(self, jobs: Sequence[ShardJob]) -> LayeredLoad | DirectLayeredLoad:
         """Issue LOAD jobs layer group by group (enable_layers first); wait on the returned handle per layer.
         Their outcome comes from ``poll`` as any job's."""
         if self._layers is None or self._closed:
@@ -204,6 +223,7 @@ class ShardCopier:
 
     def poll(self) -> tuple[list[int], list[int]]:
         """(ok job ids, failed job ids) finished since the last poll: reads the engine's counters, never blocks."""
+        self._poll_layers()
         with self._lock:
             self._collect()
             ok, failed = self._ok, self._failed
@@ -213,6 +233,7 @@ class ShardCopier:
     @property
     def pending(self) -> int:
         """Jobs submitted whose copy has not finished."""
+        self._poll_layers()
         with self._lock:
             self._collect()
             return sum(len(q) for q in self._inflight.values()) + len(self._layered)
@@ -280,11 +301,22 @@ class ShardCopier:
         for direction, seq in last.items():
             if seq and not self._engine.wait_copies(direction, seq, left()):
                 return False
+        if self._layers is not None:
+            try:
+                self._layers.wait(left())  # the direct road's loads (a host engine's report by themselves)
+            except TransferError:
+                return False
+        self._poll_layers()
         with self._lock:
             return self._lock.wait_for(layered_done, left())
 
+    def _poll_layers(self) -> None:
+        """(not under the lock) Layered loads that report through ``poll`` (the direct road's) report now."""
+        if self._layers is not None:
+            self._layers.poll()
+
     def _finished(self, job_id: int, ok: bool) -> None:
-        """A layered load's job is over (its thread calls this)."""
+        """A layered load's job is over (the host loads' thread, or ``_poll_layers``, calls this)."""
         with self._lock:
             (self._ok if ok else self._failed).append(job_id)
             self._layered.discard(job_id)
