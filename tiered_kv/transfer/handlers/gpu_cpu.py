@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...media import CPU_TO_GPU, GPU_TO_CPU
 from ..engines.base import CopyEngine, Direction
-from .dispatch import CopyJob, Dispatcher, InlineHandler, NowStarter, ThreadedStarter
+from .dispatch import CopyJob, Dispatcher, Start, WouldBlock
 
 
 def store_handler(engine: CopyEngine):
@@ -28,53 +29,33 @@ def load_handler(engine: CopyEngine):
     return run
 
 
-def inline_handler(engine: CopyEngine, direction: Direction) -> InlineHandler | None:
-    """The engine's synchronous copy (``copy_inline``: host engines only), or None: a CUDA copy
-    always ends later, on its stream."""
-    copy = getattr(engine, "copy_inline", None)
-    if copy is None:
-        return None
+def starter(engine: CopyEngine, direction: Direction) -> Start | None:
+    """How ``engine`` starts a copy without an awaited batch, or None: for a caller on the loop, its
+    synchronous copy (``copy_inline``: host engines) else its one-hand-off threaded copy (``copy_threaded``);
+    for a caller off the loop, its loop-free queueing (``copy_now``: the cross-process proxy engine)."""
+    inline = getattr(engine, "copy_inline", None)
+    threaded = getattr(engine, "copy_threaded", None)
+    now = getattr(engine, "copy_now", None)
+    if inline is None and threaded is None and now is None:
+        return None  # a CUDA copy always ends later, on its stream: awaited batches only
 
-    def run(job: CopyJob) -> bool:
-        return copy(direction, job.src_ids, job.dst_ids)
+    def start(job: CopyJob, done, token) -> bool:
+        if token is None:
+            if now is None:
+                raise WouldBlock
+            now(direction, job.src_ids, job.dst_ids, done)
+            return False
+        if inline is not None and inline(direction, job.src_ids, job.dst_ids):
+            return True
+        if threaded is None:
+            raise WouldBlock
+        threaded(direction, job.src_ids, job.dst_ids, token, done)
+        return False
 
-    return run
-
-
-def threaded_starter(engine: CopyEngine, direction: Direction) -> ThreadedStarter | None:
-    """The engine's one-hand-off threaded copy (``copy_threaded``: host engines only), or None."""
-    start = getattr(engine, "copy_threaded", None)
-    if start is None:
-        return None
-
-    def run(job: CopyJob, token, done) -> None:
-        start(direction, job.src_ids, job.dst_ids, token, done)
-
-    return run
-
-
-def now_starter(engine: CopyEngine, direction: Direction) -> NowStarter | None:
-    """The engine's loop-free queueing (``copy_now``: the cross-process proxy engine), or None."""
-    start = getattr(engine, "copy_now", None)
-    if start is None:
-        return None
-
-    def run(job: CopyJob, done) -> None:
-        start(direction, job.src_ids, job.dst_ids, done)
-
-    return run
+    return start
 
 
 def register_engine(dispatcher: Dispatcher, engine: CopyEngine) -> None:
-    """GPU <-> CPU through ``engine``: awaited batches, plus the inline and threaded copies a host engine offers."""
-    dispatcher.register("gpu", "cpu", store_handler(engine))
-    dispatcher.register("cpu", "gpu", load_handler(engine))
-    for (src, dst), direction in ((("gpu", "cpu"), Direction.STORE), (("cpu", "gpu"), Direction.LOAD)):
-        inline, threaded = inline_handler(engine, direction), threaded_starter(engine, direction)
-        if inline is not None:
-            dispatcher.register_inline(src, dst, inline)
-        if threaded is not None:
-            dispatcher.register_threaded(src, dst, threaded)
-        now = now_starter(engine, direction)
-        if now is not None:
-            dispatcher.register_now(src, dst, now)
+    """GPU <-> CPU through ``engine``: awaited batches, plus whatever copies it starts at once."""
+    dispatcher.register(GPU_TO_CPU, store_handler(engine), start=starter(engine, Direction.STORE))
+    dispatcher.register(CPU_TO_GPU, load_handler(engine), start=starter(engine, Direction.LOAD))
