@@ -39,3 +39,6 @@ DISK_TO_CPU = Route(Medium.DISK, Medium.CPU)
 CPU_TO_REMOTE = Route(Medium.CPU, Medium.REMOTE)
 REMOTE_TO_CPU = Route(Medium.REMOTE, Medium.CPU)
 RESTAGE = Route(Medium.CPU, Medium.CPU)
+
+# The routes between tiers, in the order the metrics list them (a new tier adds its two here).
+MOVES = (GPU_TO_CPU, CPU_TO_GPU, CPU_TO_DISK, DISK_TO_CPU, CPU_TO_REMOTE, REMOTE_TO_CPU)
