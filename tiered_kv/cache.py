@@ -221,7 +221,7 @@ class TieredKVCache:
         """
         self.lifecycle.check_open()
         check_keys(keys, self._key_bytes)
-        self.manager.stores.touch(keys, held=bool(held))
+        self.manager.touch(keys, held=bool(held))
         if session is not None:
             self.manager.hint(check_session(session), keys, bool(expect_followup))
 

@@ -131,11 +131,11 @@ class ManagerTwins(RuleBasedStateMachine):
         """Issue 37's shape: a full tier, a load pinning blocks (left in flight), another protected
         session, then a protected session's store of new blocks: the second evict of ranking.py
         must not count the first's victims (both sides share that Python: the invariants see it)."""
-        self.stores.prepare(fill, [], [True])
-        self.loads.prepare(pinned, 0, False, [True])
+        self.prepare_store(fill, [], [True])
+        self.prepare_load(pinned, 0, False, [True])
         self.hint(2, other, True)
         self.hint(3, new, True)
-        self.stores.prepare(new, [], ok)
+        self.prepare_store(new, [], ok)
 
     @rule(session=st.integers(0, 3))
     def release(self, session) -> None:

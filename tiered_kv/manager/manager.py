@@ -1,15 +1,17 @@
 """TierManager: every tier's index, policy, pins and placement decisions, with no awaits.
 
-The shape follows vLLM's kv_offload manager: ``lookup``; ``stores.prepare`` ->
-a plan of slots (plus the spill its evictions imply) -> ``stores.complete(ok)``;
-``loads.prepare`` -> a plan (CPU hits pinned, disk hits to promote) ->
-``loads.complete_promote`` -> ``loads.complete_load``; ``room.complete_spill``; ``take_events``.
+The shape follows vLLM's kv_offload manager: ``lookup``; ``prepare_store`` ->
+a plan of slots (plus the spill its evictions imply) -> ``complete_store(ok)``;
+``prepare_load`` -> a plan (CPU hits pinned, disk hits to promote) ->
+``loads.complete_promote`` -> ``complete_load``; ``room.complete_spill``; ``take_events``.
 It never touches bytes and never awaits, so it is testable without an event
 loop; transfer/ executes its plans (the plan and finish phases of a move are here).
 
 Composed, not inherited: one TierState (state.py) that a store planner (storing.py), a load
 planner (loading.py) and a room finder (spills.py) share; the runners call those parts directly
-(``stores``, ``loads``, ``room``), and this class looks up, announces, hints and demotes.
+(``stores``, ``loads``, ``room``) but for the plan and finish doors a caller under the state lock
+goes through (``prepare_store``, ``complete_store``, ``prepare_load``, ``complete_load``, ``touch``),
+and this class looks up, announces, hints and demotes.
 
 Placement: CPU and disk are exclusive and run one eviction policy (native/domain.hpp):
 a key's recency, frequency and ghosts follow its block down and up. When the CPU needs
@@ -31,12 +33,12 @@ import numpy as np
 from ..core import core
 from .key_rows import key_rows
 from .loading import LoadPlanner
-from .plans import LookupResult
+from .plans import LoadPlan, LookupResult, SpillJob, StorePlan
 from .sessions import Sessions
 from .spills import RoomFinder
 from .state import Staging, TierState
 from .storing import StorePlanner
-from .tier_index import TierIndex, join_hierarchy
+from .tier_index import EMPTY, TierIndex, join_hierarchy
 
 EVENT_KINDS = ("stored", "evicted", "spilled", "dropped")
 
@@ -47,8 +49,8 @@ class TierManager:
     Its parts share one TierState (``state``): the store planner (``stores``: storing.py) plans,
     commits and touches stores, the load planner (``loads``: loading.py) plans and commits loads, the
     room finder (``room``: spills.py) evicts, spills and writes to the remote tier. The runners
-    (transfer/runners/) call those parts directly; this class builds them, looks up, announces,
-    hints, demotes and hands out events. Calls come one at a time: from the loop thread, or from
+    (transfer/runners/) call those parts directly, but for the five plan and finish doors below;
+    this class builds them, looks up, announces, hints, demotes and hands out events. Calls come one at a time: from the loop thread, or from
     vLLM's scheduler thread holding the cache's state lock (state_lock.py). The remote tier has no
     slots here: ``attach_remote`` gives its residency filter (``known(rows) -> bool[n]``, all False
     while the tier is degraded).
@@ -218,6 +220,30 @@ class TierManager:
             far = np.flatnonzero(~local)
             where[far[s.remote_hits(rows[far])]] = "remote"
         return where.tolist()
+
+    # -- the plan and finish doors a caller under the state lock goes through ------------
+    # Kept on the manager (the rest of the parts' methods are called on the parts): the step protocol's
+    # lock check (tests/vllm/test_step_loop_calls.py) watches these names on the manager.
+    def prepare_store(
+        self, keys: Sequence[bytes], gpu_ids: np.ndarray, prefix: Sequence[bytes] = ()
+    ) -> StorePlan:
+        """Reserve CPU slots for the keys not yet resident; evictions become a spill job or drops."""
+        return self.stores.prepare(keys, gpu_ids, prefix)
+
+    def complete_store(self, plan: StorePlan, ok: bool) -> SpillJob | None:
+        """Commit (or abort) the plan's slots; returns a write-through spill job when one is due."""
+        return self.stores.complete(plan, ok)
+
+    def touch(self, keys: Sequence[bytes], skip: np.ndarray = EMPTY, *, held: bool = False) -> None:
+        """Mark resident keys as used, last first, so a prefix's head is the most recent (see StorePlanner.touch)."""
+        self.stores.touch(keys, skip, held=held)
+
+    def prepare_load(self, keys: Sequence[bytes], max_promote: int, *, exclusive: bool = False) -> LoadPlan:
+        """Pin the leading run's CPU hits; reserve CPU slots for up to ``max_promote`` disk or remote hits."""
+        return self.loads.prepare(keys, max_promote, exclusive=exclusive)
+
+    def complete_load(self, plan: LoadPlan, loaded: int) -> None:
+        self.loads.complete_load(plan, loaded)
 
     # -- announced stores ------------------------------------------------------------
     def announce(self, keys: Sequence[bytes]) -> None:

@@ -65,7 +65,7 @@ class LoadRunner:
         """Load the leading resident keys into the GPU blocks (validated by the caller); see TieredKVCache.load."""
         plan = None
         if before_copy is None and not (exclusive and self._m.staging is not None):  # else: through staging
-            plan = self._plans.prepare(keys, self._max_promote, exclusive=exclusive)
+            plan = self._m.prepare_load(keys, self._max_promote, exclusive=exclusive)
             n = len(plan)
             # Only a run that ends in this chunk starts now; one that waits for others' keys or room plans again.
             if not plan.must_wait and (n and plan.stop in ("", "miss") or not n and not self._others_hold(plan)):
@@ -88,7 +88,7 @@ class LoadRunner:
         blocks landed once the copy's engine reports it. (None, None, 0): nothing could start now (no
         CPU hit left, the byte budget held); nothing is held. (None, rest, 0): the plan must wait for
         I/O (a promotion, a spill): ``rest`` runs it on the loop, copying nothing into the GPU blocks."""
-        plan = self._plans.prepare(keys, self._max_promote, exclusive=False)
+        plan = self._m.prepare_load(keys, self._max_promote, exclusive=False)
         if plan.must_wait:
             control = MoveControl()
             control.cancelled = True  # the caller gave up on it: only its reads and spills run
@@ -136,7 +136,7 @@ class LoadRunner:
 
     def _complete(self, plan: LoadPlan, loaded: int) -> None:
         try:
-            self._plans.complete_load(plan, loaded)
+            self._m.complete_load(plan, loaded)
         finally:
             self._progress.notify()
 
@@ -182,7 +182,7 @@ class LoadRunner:
         # A plan made before the task started holds pins: it runs (and completes) even if cancelled.
         while first is not None or (loaded < len(keys) and not control.cancelled):
             control.base = loaded
-            plan, first = first or self._plans.prepare(keys[loaded:], self._max_promote, exclusive=exclusive), None
+            plan, first = first or self._m.prepare_load(keys[loaded:], self._max_promote, exclusive=exclusive), None
             if not len(plan):
                 if control.cancelled:
                     break
@@ -235,7 +235,7 @@ class LoadRunner:
             raise
         finally:
             if (plan.promote is None and plan.fetch is None) or promoted:
-                m.complete_load(plan, n)
+                self._m.complete_load(plan, n)
             self._progress.notify()
         return n
 

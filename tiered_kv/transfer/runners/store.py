@@ -53,7 +53,6 @@ class StoreRunner:
         remote_writes: bool,
     ) -> None:
         self._m = manager
-        self._plans = manager.stores
         self._dispatch = dispatcher
         self._metrics = metrics
         self._spills = spills
@@ -74,7 +73,7 @@ class StoreRunner:
         if after is not None:
             self._m.announce(keys)
             return await run_move(self._tasks, control, self._run_after(control, after, keys, ids, prefix))
-        plan = self._plans.prepare(keys, ids, prefix)
+        plan = self._m.prepare_store(keys, ids, prefix)
         call = ThreadedCopyFuture(asyncio.get_running_loop())
         try:
             got = self._store_nowait(plan, len(keys), call, call)
@@ -91,7 +90,7 @@ class StoreRunner:
         starts now, (outcome, None), the outcome resolved once its copy (queued loop-free) has landed and
         the plan is committed. Else (None, rest): ``rest`` executes the plan on the loop (spills, room to
         wait for, the byte budget), its copy queued whenever it gets there: still correct for a store."""
-        plan = self._plans.prepare(keys, ids, prefix)
+        plan = self._m.prepare_store(keys, ids, prefix)
         out: concurrent.futures.Future = concurrent.futures.Future()
         try:
             got = self._store_nowait(plan, len(keys), out, None)
@@ -171,7 +170,7 @@ class StoreRunner:
         todo_keys, todo_ids = keys, ids
         while True:
             if plan is None:
-                plan = self._plans.prepare(todo_keys, todo_ids, prefix)
+                plan = self._m.prepare_store(todo_keys, todo_ids, prefix)
             deduped, in_flight = deduped + plan.deduped, in_flight + plan.in_flight
             stored += await self._execute(control, plan)
             # Keys that found no slot after every evictable block was taken stay out: evicting
@@ -207,7 +206,7 @@ class StoreRunner:
         """Commit (or abort) a plan whose copy has ended; start its write-through jobs. How many were stored."""
         self._metrics.store_slots(plan.cpu_slots)
         try:
-            write_through = self._plans.complete(plan, ok)
+            write_through = self._m.complete_store(plan, ok)
             remote_job = self._m.room.remote_write_job(plan) if ok and self._remote_writes else None
         finally:
             self._progress.notify()
