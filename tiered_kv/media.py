@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 
@@ -21,15 +21,14 @@ class Route:
 
     src: Medium
     dst: Medium
+    # Derived once (a route is looked at on every copy): the direction's metrics label
+    # (``tiered_kv_blocks_moved_total{gpu_to_cpu}``), and whether it moves blocks between tiers.
+    name: str = field(init=False, compare=False, repr=False)
+    moves: bool = field(init=False, compare=False, repr=False)
 
-    @property
-    def name(self) -> str:
-        """The direction's metrics label (``tiered_kv_blocks_moved_total{gpu_to_cpu}``)."""
-        return f"{self.src.value}_to_{self.dst.value}"
-
-    @property
-    def moves(self) -> bool:
-        return self.src is not self.dst
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "name", f"{self.src.value}_to_{self.dst.value}")
+        object.__setattr__(self, "moves", self.src is not self.dst)
 
 
 GPU_TO_CPU = Route(Medium.GPU, Medium.CPU)

@@ -10,7 +10,6 @@ a job at once or raises ``WouldBlock`` having done nothing; ``run`` awaits the j
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -27,13 +26,16 @@ Done = Callable[[BaseException | None], None]
 # A handler runs one job and returns a per-block ok mask; it raises only for a fault that
 # hit the whole batch, and only once nothing of the batch can still be in flight.
 Run = Callable[[Any], Awaitable[np.ndarray]]
-# A starter starts one job without waiting: ``start(job, done, token)`` returns True once the job has
-# landed within the call (``done`` is not called), or False having handed it off: ``done(error)`` runs
-# once it has landed or failed. ``token``: the caller's asyncio future when it waits on the loop (an
-# inline copy, or a hand-off to the engine's thread: ``done`` runs on the loop); None for a caller off
-# the loop (a loop-free queue only: ``done`` runs in whichever thread learns the job's end). It raises
-# WouldBlock, having done nothing, when it cannot start the job that way.
-Start = Callable[[Any, Done, "asyncio.Future[Any] | None"], bool]
+# An inline copy runs one job on the calling thread: True once it has landed, or False having done
+# nothing (it raises as a handler does).
+Inline = Callable[[Any], bool]
+# A hand-off starts one job without waiting: ``hand_off(job, done, out)``; ``done(error)`` runs once it
+# has landed or failed. ``out`` (transfer.runners.control.Outcome) says where the caller waits: on the
+# loop (``out.on_loop``: a hand-off to the engine's thread, ``done`` runs on the loop, and ``out()`` is
+# the caller's future, in flight until then), or off it (a loop-free queue only: ``done`` runs in
+# whichever thread learns the job's end). It raises WouldBlock, having done nothing, when it cannot
+# start the job for that caller.
+HandOff = Callable[[Any, Done, Any], None]
 
 
 class WouldBlock(Exception):
@@ -42,11 +44,13 @@ class WouldBlock(Exception):
 
 @dataclass(frozen=True)
 class Handlers:
-    """What one route offers: ``run`` (awaited), ``start`` (started at once, optional), and for a route
-    into a tier that keeps blocks, ``forget(slots)`` (journal slots dropped for good) and ``flush()``."""
+    """What one route offers: ``run`` (awaited); started at once (optional), ``inline`` and ``hand_off``;
+    for a route into a tier that keeps blocks, ``forget(slots)`` (journal slots dropped for good) and
+    ``flush()``."""
 
     run: Run
-    start: Start | None = None
+    inline: Inline | None = None
+    hand_off: HandOff | None = None
     forget: Callable[[np.ndarray], None] | None = None
     flush: Callable[[], Awaitable[Any]] | None = None
 
@@ -98,17 +102,24 @@ class Dispatcher:
             raise TransferError(f"no handler registered for {route.src.value} -> {route.dst.value}")
         return handlers
 
-    def start_nowait(self, job: Any, done: Done, token: asyncio.Future | None) -> bool:
-        """Start ``job`` at once, when its route has a starter and the budget admits it now (a try-take:
-        never waits): True once it has landed within the call; False when it was handed off, and
-        ``done(error)`` runs once it has landed (the budget released first). WouldBlock, having done
-        nothing, otherwise. ``token``: see ``Start``."""
-        start = self._handlers(job.media).start
+    def start_nowait(self, job: Any, done: Done, out: Any) -> bool:
+        """Start ``job`` at once when the budget admits it now (never waits): True once it has landed
+        within the call (an inline copy, for a caller on the loop: its bytes are in flight only within
+        the call); False when it was handed off with its bytes taken, and ``done(error)`` runs once it
+        has landed (the bytes released first). WouldBlock, having done nothing, otherwise. ``out``: see
+        ``HandOff``."""
+        handlers = self._handlers(job.media)
         n = len(job)
         nbytes = n * self._bpb
-        if start is None or not self._budget.take_now(nbytes):
+        if not self._budget.admits_now(nbytes):
             raise WouldBlock
         t0 = time.perf_counter()
+        if out.on_loop and handlers.inline is not None and handlers.inline(job):
+            self._moved(job.media, n, t0)
+            return True
+        if handlers.hand_off is None:
+            raise WouldBlock
+        self._budget.take_now(nbytes)  # admitted just above, and nothing ran between
 
         def landed(error: BaseException | None) -> None:
             self._release(nbytes)
@@ -116,17 +127,13 @@ class Dispatcher:
                 self._moved(job.media, n, t0)
             done(error)
 
+        self._metrics.inflight_bytes.set(self._budget.used)
         try:
-            now = start(job, landed, token)
+            handlers.hand_off(job, landed, out)
         except BaseException:
             self._release(nbytes)
             raise
-        if now:  # its bytes were in flight only within this call
-            self._budget.release(nbytes)
-            self._moved(job.media, n, t0)
-        else:
-            self._metrics.inflight_bytes.set(self._budget.used)
-        return now
+        return False
 
     async def run(self, job: Any) -> np.ndarray:
         """Run ``job`` (its ``len`` is its block count, its ``media`` its route); returns the per-block ok mask."""

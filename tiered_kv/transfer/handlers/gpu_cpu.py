@@ -6,7 +6,7 @@ import numpy as np
 
 from ...media import CPU_TO_GPU, GPU_TO_CPU
 from ..engines.base import CopyEngine, Direction
-from .dispatch import CopyJob, Dispatcher, Start, WouldBlock
+from .dispatch import CopyJob, Dispatcher, HandOff, Inline, WouldBlock
 
 
 def store_handler(engine: CopyEngine):
@@ -29,33 +29,41 @@ def load_handler(engine: CopyEngine):
     return run
 
 
-def starter(engine: CopyEngine, direction: Direction) -> Start | None:
-    """How ``engine`` starts a copy without an awaited batch, or None: for a caller on the loop, its
-    synchronous copy (``copy_inline``: host engines) else its one-hand-off threaded copy (``copy_threaded``);
-    for a caller off the loop, its loop-free queueing (``copy_now``: the cross-process proxy engine)."""
-    inline = getattr(engine, "copy_inline", None)
+def inline_copy(engine: CopyEngine, direction: Direction) -> Inline | None:
+    """The engine's synchronous copy (``copy_inline``: host engines only), or None: a CUDA copy
+    always ends later, on its stream."""
+    copy = getattr(engine, "copy_inline", None)
+    if copy is None:
+        return None
+    return lambda job: copy(direction, job.src_ids, job.dst_ids)
+
+
+def hand_off(engine: CopyEngine, direction: Direction) -> HandOff | None:
+    """How ``engine`` starts a copy it finishes later, or None: for a caller on the loop its one-hand-off
+    threaded copy (``copy_threaded``: host engines), for a caller off the loop its loop-free queueing
+    (``copy_now``: the cross-process proxy engine)."""
     threaded = getattr(engine, "copy_threaded", None)
     now = getattr(engine, "copy_now", None)
-    if inline is None and threaded is None and now is None:
-        return None  # a CUDA copy always ends later, on its stream: awaited batches only
+    if threaded is None and now is None:
+        return None
 
-    def start(job: CopyJob, done, token) -> bool:
-        if token is None:
-            if now is None:
-                raise WouldBlock
+    def start(job: CopyJob, done, out) -> None:
+        if not out.on_loop and now is not None:
             now(direction, job.src_ids, job.dst_ids, done)
-            return False
-        if inline is not None and inline(direction, job.src_ids, job.dst_ids):
-            return True
-        if threaded is None:
+        elif out.on_loop and threaded is not None:
+            threaded(direction, job.src_ids, job.dst_ids, out(), done)
+        else:
             raise WouldBlock
-        threaded(direction, job.src_ids, job.dst_ids, token, done)
-        return False
 
     return start
 
 
 def register_engine(dispatcher: Dispatcher, engine: CopyEngine) -> None:
     """GPU <-> CPU through ``engine``: awaited batches, plus whatever copies it starts at once."""
-    dispatcher.register(GPU_TO_CPU, store_handler(engine), start=starter(engine, Direction.STORE))
-    dispatcher.register(CPU_TO_GPU, load_handler(engine), start=starter(engine, Direction.LOAD))
+    for route, handler, direction in (
+        (GPU_TO_CPU, store_handler(engine), Direction.STORE),
+        (CPU_TO_GPU, load_handler(engine), Direction.LOAD),
+    ):
+        dispatcher.register(
+            route, handler, inline=inline_copy(engine, direction), hand_off=hand_off(engine, direction)
+        )

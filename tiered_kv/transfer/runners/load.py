@@ -26,11 +26,10 @@ from ...manager import LoadPlan, TierManager
 from ...media import CPU_TO_DISK, CPU_TO_GPU, RESTAGE
 from ...owned_tasks import TaskSet
 from ..handlers import CopyJob, Dispatcher, WouldBlock
-from .control import MoveControl, Progress, ThreadedCopyFuture, run_move
+from .control import MoveControl, Outcome, Progress, run_move
 from .spill import SpillRunner
 
 log = logging.getLogger(__name__)
-Outcome = asyncio.Future | concurrent.futures.Future
 
 
 class LoadRunner:
@@ -69,9 +68,8 @@ class LoadRunner:
             n = len(plan)
             # Only a run that ends in this chunk starts now; one that waits for others' keys or room plans again.
             if not plan.must_wait and (n and plan.stop in ("", "miss") or not n and not self._others_hold(plan)):
-                call = ThreadedCopyFuture(asyncio.get_running_loop())
                 try:
-                    got = self._load_nowait(plan, ids, call, call)
+                    got = self._load_nowait(plan, ids, Outcome(asyncio.get_running_loop()))
                 except WouldBlock:
                     pass
                 else:  # an int, or the copy on the engine's thread (a cancel waits for it to land)
@@ -95,20 +93,20 @@ class LoadRunner:
             return None, run_move(self._tasks, control, self._run(control, keys, ids, False, plan)), 0
         if not len(plan):
             return None, None, 0
-        out: concurrent.futures.Future = concurrent.futures.Future()
+        out = Outcome()
         try:
-            got = self._load_nowait(plan, ids, out, None)
+            got = self._load_nowait(plan, ids, out)
         except WouldBlock:
             self._complete(plan, 0)
             return None, None, 0
         if isinstance(got, int):
-            out.set_result(got)
-        return out, None, len(plan)
+            out().set_result(got)
+        return out(), None, len(plan)
 
-    def _load_nowait(self, plan: LoadPlan, ids: np.ndarray, out: Outcome, token: asyncio.Future | None) -> int | Outcome:
+    def _load_nowait(self, plan: LoadPlan, ids: np.ndarray, out: Outcome) -> int | Any:
         """Start the copy of ``plan``'s CPU hits (nothing for it to wait for) into ``ids``: the blocks
-        loaded when it completes within the call (an inline copy, or nothing to copy); ``out`` when the
-        copy was handed off (resolved with the blocks landed once it has, the plan completed first).
+        loaded when it completes within the call (an inline copy, or nothing to copy); ``out``'s future
+        when the copy was handed off (resolved with the blocks landed once it has, the plan completed first).
         WouldBlock, the plan untouched, when the dispatcher cannot start it at once."""
         n = len(plan)
         if not n:
@@ -116,16 +114,17 @@ class LoadRunner:
         job = CopyJob(CPU_TO_GPU, plan.cpu_slots, ids[:n])
 
         def landed(error: BaseException | None) -> None:
+            fut = out()
             try:
                 self._complete(plan, n if error is None else 0)
             except BaseException as exc:
-                out.set_exception(exc)
+                fut.set_exception(exc)
                 return
-            out.set_exception(error) if error is not None else out.set_result(n)
+            fut.set_exception(error) if error is not None else fut.set_result(n)
 
         try:
-            if not self._dispatch.start_nowait(job, landed, token):
-                return out
+            if not self._dispatch.start_nowait(job, landed, out):
+                return out()
         except WouldBlock:
             raise
         except BaseException:

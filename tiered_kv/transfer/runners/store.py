@@ -24,10 +24,8 @@ from ...media import GPU_TO_CPU
 from ...metrics import CacheMetrics
 from ...owned_tasks import TaskSet
 from ..handlers import CopyJob, Dispatcher, WouldBlock
-from .control import MoveControl, Progress, ThreadedCopyFuture, run_move
+from .control import MoveControl, Outcome, Progress, run_move
 from .spill import SpillRunner
-
-Outcome = asyncio.Future | concurrent.futures.Future
 
 
 @dataclass(frozen=True)
@@ -69,15 +67,15 @@ class StoreRunner:
         compute: Any,
     ) -> StoreResult:
         """Store the keys' GPU blocks (validated by the caller); see TieredKVCache.store."""
-        control = MoveControl(compute)
         if after is not None:
             self._m.announce(keys)
+            control = MoveControl(compute)
             return await run_move(self._tasks, control, self._run_after(control, after, keys, ids, prefix))
         plan = self._m.prepare_store(keys, ids, prefix)
-        call = ThreadedCopyFuture(asyncio.get_running_loop())
         try:
-            got = self._store_nowait(plan, len(keys), call, call)
+            got = self._store_nowait(plan, len(keys), Outcome(asyncio.get_running_loop()))
         except WouldBlock:
+            control = MoveControl(compute)
             return await run_move(self._tasks, control, self._run(control, keys, ids, prefix, plan))
         if isinstance(got, StoreResult):
             return got
@@ -91,41 +89,40 @@ class StoreRunner:
         the plan is committed. Else (None, rest): ``rest`` executes the plan on the loop (spills, room to
         wait for, the byte budget), its copy queued whenever it gets there: still correct for a store."""
         plan = self._m.prepare_store(keys, ids, prefix)
-        out: concurrent.futures.Future = concurrent.futures.Future()
+        out = Outcome()
         try:
-            got = self._store_nowait(plan, len(keys), out, None)
+            got = self._store_nowait(plan, len(keys), out)
         except WouldBlock:
             control = MoveControl()
             return None, run_move(self._tasks, control, self._run(control, keys, ids, prefix, plan))
         if isinstance(got, StoreResult):
-            out.set_result(got)
-        return out, None
+            out().set_result(got)
+        return out(), None
 
-    def _store_nowait(
-        self, plan: StorePlan, n_keys: int, out: Outcome, token: asyncio.Future | None
-    ) -> StoreResult | Outcome:
+    def _store_nowait(self, plan: StorePlan, n_keys: int, out: Outcome) -> StoreResult | Any:
         """Start ``plan`` now: its result when it is committed within the call (nothing to copy, or an
-        inline copy); ``out`` when its copy was handed off (resolved once it lands and the plan is
-        committed). WouldBlock, with the plan untouched, when it must wait: its spills first, room that
-        may come free, or a copy the dispatcher cannot start at once. ``token``: see ``Dispatcher.start_nowait``."""
+        inline copy); ``out``'s future when its copy was handed off (resolved once it lands and the plan
+        is committed). WouldBlock, with the plan untouched, when it must wait: its spills first, room
+        that may come free, or a copy the dispatcher cannot start at once."""
         if plan.must_wait or (plan.unplaced and not len(plan.cpu_slots) and self._m.state.room_may_free()):
             raise WouldBlock
         if len(plan.cpu_slots):
 
             def landed(error: BaseException | None) -> None:
+                fut = out()
                 try:
-                    stored = self._finish(plan, error is None and not getattr(out, "gave_up", False))
+                    stored = self._finish(plan, error is None and not getattr(fut, "gave_up", False))
                 except BaseException as exc:
-                    out.set_exception(exc)
+                    fut.set_exception(exc)
                     return
                 if error is not None:
-                    out.set_exception(error)
+                    fut.set_exception(error)
                 else:
-                    out.set_result(self._result(n_keys, stored, plan.deduped, plan.in_flight))
+                    fut.set_result(self._result(n_keys, stored, plan.deduped, plan.in_flight))
 
             try:
-                if not self._dispatch.start_nowait(CopyJob(GPU_TO_CPU, plan.gpu_ids, plan.cpu_slots), landed, token):
-                    return out
+                if not self._dispatch.start_nowait(CopyJob(GPU_TO_CPU, plan.gpu_ids, plan.cpu_slots), landed, out):
+                    return out()
             except WouldBlock:
                 raise
             except BaseException:
