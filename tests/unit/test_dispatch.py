@@ -13,6 +13,7 @@ from tiered_kv.manager import LoadPlan, SpillJob, StorePlan
 from tiered_kv.media import CPU_TO_DISK, CPU_TO_GPU, DISK_TO_CPU, GPU_TO_CPU, RESTAGE
 from tiered_kv.metrics import CacheMetrics
 from tiered_kv.transfer.handlers import CopyJob, Dispatcher, WouldBlock, register_slab
+from tiered_kv.transfer.runners.control import Outcome
 
 BPB = 64
 
@@ -45,19 +46,32 @@ def test_the_directions_are_the_registered_routes():
         d.register(("cpu", "disk"), ones)
 
 
-def test_an_inline_start_lands_within_the_call_and_holds_no_budget():
+async def test_an_inline_start_lands_within_the_call_and_holds_no_budget():
     d, budget, metrics = dispatcher()
     calls = []
-    d.register(GPU_TO_CPU, ones, start=lambda j, done, token: calls.append(len(j)) or True)
-    assert d.start_nowait(job(4), lambda error: calls.append(error), object()) is True
+    d.register(GPU_TO_CPU, ones, inline=lambda j: calls.append(len(j)) or True)
+    out = Outcome(asyncio.get_running_loop())
+    assert d.start_nowait(job(4), lambda error: calls.append(error), out) is True
     assert calls == [4] and budget.used == 0 and moved(metrics, "gpu_to_cpu") == 4
+    with pytest.raises(WouldBlock):  # off the loop: never inline, and nothing to hand off to
+        d.start_nowait(job(4), lambda error: calls.append(error), Outcome())
+    assert calls == [4] and budget.used == 0
+
+
+async def test_a_declined_inline_copy_is_handed_off_with_the_callers_future():
+    d, budget, _ = dispatcher()
+    handed = []
+    d.register(GPU_TO_CPU, ones, inline=lambda j: False, hand_off=lambda j, done, out: handed.append(out()))
+    out = Outcome(asyncio.get_running_loop())
+    assert d.start_nowait(job(2), lambda error: None, out) is False
+    assert handed == [out()] and isinstance(handed[0], asyncio.Future) and budget.used == 2 * BPB
 
 
 def test_a_handed_off_start_holds_its_bytes_until_it_lands():
     d, budget, metrics = dispatcher()
     started, ended = [], []
-    d.register(CPU_TO_GPU, ones, start=lambda j, done, token: started.append(done) or False)
-    assert d.start_nowait(job(3, CPU_TO_GPU), ended.append, None) is False
+    d.register(CPU_TO_GPU, ones, hand_off=lambda j, done, out: started.append(done))
+    assert d.start_nowait(job(3, CPU_TO_GPU), ended.append, Outcome()) is False
     assert budget.used == 3 * BPB and moved(metrics, "cpu_to_gpu") == 0 and ended == []
     started[0](None)
     assert budget.used == 0 and moved(metrics, "cpu_to_gpu") == 3 and ended == [None]
@@ -66,22 +80,22 @@ def test_a_handed_off_start_holds_its_bytes_until_it_lands():
 def test_would_block_starts_nothing_and_takes_nothing():
     d, budget, _ = dispatcher(limit=4 * BPB)
     started = []
-    d.register(GPU_TO_CPU, ones, start=lambda j, done, token: started.append(j) or False)
+    d.register(GPU_TO_CPU, ones, hand_off=lambda j, done, out: started.append(j))
     assert budget.take_now(2 * BPB)  # another copy in flight: 4 more blocks do not fit
     with pytest.raises(WouldBlock):
-        d.start_nowait(job(4), lambda error: None, None)
+        d.start_nowait(job(4), lambda error: None, Outcome())
     assert started == [] and budget.used == 2 * BPB
 
-    def declines(j, done, token):
+    def declines(j, done, out):
         raise WouldBlock
 
-    d.register(GPU_TO_CPU, ones, start=declines)
+    d.register(GPU_TO_CPU, ones, hand_off=declines)
     with pytest.raises(WouldBlock):
-        d.start_nowait(job(1), lambda error: None, None)
+        d.start_nowait(job(1), lambda error: None, Outcome())
     assert budget.used == 2 * BPB  # what the declined start took is back
     d.register(CPU_TO_GPU, ones)  # no starter: the awaited door only
     with pytest.raises(WouldBlock):
-        d.start_nowait(job(1, CPU_TO_GPU), lambda error: None, None)
+        d.start_nowait(job(1, CPU_TO_GPU), lambda error: None, Outcome())
 
 
 def test_restaged_rows_go_through_their_handler_and_count_no_move():
