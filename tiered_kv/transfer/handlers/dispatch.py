@@ -80,27 +80,27 @@ class Dispatcher:
         self._budget = budget
         self._metrics = metrics
         self._bpb = bytes_per_block
-        self._routes: dict[Route, Handlers] = {}
+        self._routes: dict[str, tuple[Route, Handlers]] = {}  # by the route's name: a str hashes in C
 
     def register(self, route: Route, run: Run, **more: Any) -> None:
         """``route``'s handlers (``more``: the optional ones of ``Handlers``), replacing any before."""
         if not isinstance(route, Route) or not all(isinstance(m, Medium) for m in (route.src, route.dst)):
             raise TransferError(f"cannot register a handler for {route!r}: a Route of two Media is needed")
-        self._routes[route] = Handlers(run, **more)
+        self._routes[route.name] = (route, Handlers(run, **more))
 
     @property
     def directions(self) -> dict[Route, str]:
         """Each registered route and its metrics label."""
-        return {route: route.name for route in self._routes}
+        return {route: name for name, (route, _) in self._routes.items()}
 
     def handles(self, route: Route) -> bool:
-        return route in self._routes
+        return route.name in self._routes
 
     def _handlers(self, route: Route) -> Handlers:
-        handlers = self._routes.get(route)
-        if handlers is None:
+        found = self._routes.get(route.name)
+        if found is None:
             raise TransferError(f"no handler registered for {route.src.value} -> {route.dst.value}")
-        return handlers
+        return found[1]
 
     def start_nowait(self, job: Any, done: Done, out: Any) -> bool:
         """Start ``job`` at once when the budget admits it now (never waits): True once it has landed
