@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .byte_budget import ByteBudget
-from .cache_args import check_blocks, check_session, compute_for
+from .cache_args import call_blocks, check_session, compute_for, store_chain
 from .cache_resources import CacheResources
 from .capacity import promote_chunk, staging_rows, tier_slots
 from .config import Config, check_capacities, load_config
@@ -155,8 +155,6 @@ class TieredKVCache:
             self.metrics,
             self._tasks,
             self._progress,
-            slab=self.slabs.slab_np,
-            bytes_per_block=self.layout.bytes_per_block,
             max_promote=self._max_promote,
             disk=self.disk,
             remote=self.remote,
@@ -347,14 +345,9 @@ class TieredKVCache:
         ``compute``: see ``load``; the copies read the blocks only after it.
         """
         t0 = time.perf_counter()  # not loop.time(): uvloop's ticks in whole milliseconds
-        self.lifecycle.check_open()
-        ids = check_blocks(keys, gpu_block_ids, self._key_bytes, self.layout.num_blocks)
+        ids = call_blocks(self, keys, gpu_block_ids)
         compute = compute_for(self.layout.device, compute)
-        if len(prefix):
-            check_keys(prefix, self._key_bytes)
-        keys, prefix = list(keys), list(prefix)
-        if session is not None:
-            self.manager.hint(check_session(session), prefix + keys, bool(expect_followup))
+        keys, prefix = store_chain(self, keys, prefix, session, expect_followup)
         result = await self._runners.stores.store(keys, ids, prefix, after, compute)
         self.metrics.op_latency["store"].observe(time.perf_counter() - t0)
         return result
@@ -387,8 +380,7 @@ class TieredKVCache:
         Ignored by the host engine (CPU tensors).
         """
         t0 = time.perf_counter()
-        self.lifecycle.check_open()
-        ids = check_blocks(keys, gpu_block_ids, self._key_bytes, self.layout.num_blocks)
+        ids = call_blocks(self, keys, gpu_block_ids)
         compute = compute_for(self.layout.device, compute)
         loaded = await self._runners.loads.load(list(keys), ids, bool(exclusive), before_copy, compute)
         self.metrics.op_latency["load"].observe(time.perf_counter() - t0)

@@ -1,9 +1,11 @@
 """What a call hands TieredKVCache, checked before anything is reserved: keys against block ids,
-the compute event the copies are ordered after, a session id."""
+the compute event the copies are ordered after, a session id. ``call_blocks`` and ``store_chain``
+are the checks every door of a store or load makes (cache.py on the loop, cache_sync.py off it)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,3 +42,22 @@ def check_session(session: object) -> str | int:
     if isinstance(session, bool) or not isinstance(session, (str, int)):
         raise HintError(f"session must be a str or int id, got {type(session).__name__}")
     return session
+
+
+def call_blocks(cache: Any, keys: Sequence[bytes], gpu_block_ids: Sequence[int]) -> np.ndarray:
+    """A store's or load's first checks: ``cache`` (a TieredKVCache) is open, and ``check_blocks``."""
+    cache.lifecycle.check_open()
+    return check_blocks(keys, gpu_block_ids, cache.keyer.key_bytes, cache.layout.num_blocks)
+
+
+def store_chain(
+    cache: Any, keys: Sequence[bytes], prefix: Sequence[bytes], session: object, expect_followup: bool
+) -> tuple[list[bytes], list[bytes]]:
+    """A store's chain: the prefix's keys checked, the session (if any) hinted with the whole chain;
+    (keys, prefix) as lists."""
+    if len(prefix):
+        check_keys(prefix, cache.keyer.key_bytes)
+    keys, prefix = list(keys), list(prefix)
+    if session is not None:
+        cache.manager.hint(check_session(session), prefix + keys, bool(expect_followup))
+    return keys, prefix

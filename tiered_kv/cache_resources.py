@@ -21,7 +21,7 @@ from .metrics import CacheMetrics
 from .tiers.cpu import CpuSlabs
 from .tiers.disk import RecoveredBlock
 from .transfer.engines import CopyEngine
-from .transfer.handlers import DiskIO, Dispatcher, register_engine
+from .transfer.handlers import DiskIO, Dispatcher, register_engine, register_slab
 
 
 class CacheResources:
@@ -70,20 +70,19 @@ class CacheResources:
         self.slabs = await asyncio.get_running_loop().run_in_executor(None, self._slabs_factory, layout, rows)
         self.engine = self._engine_factory(self.slabs)
         register_engine(dispatcher, self.engine)
+        register_slab(dispatcher, self.slabs.slab_np, layout.bytes_per_block)
         if self._disk_ns is not None:
             self.disk, self.recovered = await DiskIO.open(
                 cfg.tiers.disk, self._disk_ns, self._disk_slots, self.slabs, metrics, on_disk_degraded
             )
-            dispatcher.register("cpu", "disk", self.disk.write)
-            dispatcher.register("disk", "cpu", self.disk.read)
+            self.disk.register(dispatcher)
         if self._remote_ns is not None:
             from .transfer.handlers.remote_io import RemoteIO  # redis-py is an optional extra
 
             self.remote = await RemoteIO.open(
                 cfg.tiers.remote, self._remote_ns, self.slabs, metrics, remote_blocks(cfg, layout)
             )
-            dispatcher.register("cpu", "remote", self.remote.write)
-            dispatcher.register("remote", "cpu", self.remote.read)
+            self.remote.register(dispatcher)
 
     async def release(self) -> None:
         """Release in reverse; the slab only after the copy engine has drained every copy."""

@@ -14,8 +14,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from .cache import TieredKVCache
-from .cache_args import check_blocks, check_session
-from .keys import check_keys
+from .cache_args import call_blocks, store_chain
 
 Outcome = tuple[concurrent.futures.Future | None, Coroutine[Any, Any, Any] | None]
 
@@ -24,8 +23,7 @@ def load_sync(cache: TieredKVCache, keys: Sequence[bytes], gpu_block_ids: Sequen
     """Load the leading CPU-resident keys into the GPU blocks (transfer.runners.load.LoadRunner.load_sync):
     (outcome: blocks landed, None, planned), (None, None, 0) when nothing could start, or (None, rest, 0)
     when the plan must wait for I/O (``rest`` runs it on the loop, copying nothing into the GPU blocks)."""
-    cache.lifecycle.check_open()
-    ids = check_blocks(keys, gpu_block_ids, cache.keyer.key_bytes, cache.layout.num_blocks)
+    ids = call_blocks(cache, keys, gpu_block_ids)
     return cache.runners.loads.load_sync(list(keys), ids)
 
 
@@ -34,11 +32,6 @@ def store_sync(cache: TieredKVCache, keys: Sequence[bytes], gpu_block_ids: Seque
                expect_followup: bool = False) -> Outcome:  # fmt: skip
     """TieredKVCache.store planned now (StoreRunner.store_sync): (outcome: StoreResult, None), or (None,
     rest) when it must wait (``rest`` runs it on the loop)."""
-    cache.lifecycle.check_open()
-    ids = check_blocks(keys, gpu_block_ids, cache.keyer.key_bytes, cache.layout.num_blocks)
-    if len(prefix):
-        check_keys(prefix, cache.keyer.key_bytes)
-    keys, prefix = list(keys), list(prefix)
-    if session is not None:
-        cache.manager.hint(check_session(session), prefix + keys, bool(expect_followup))
+    ids = call_blocks(cache, keys, gpu_block_ids)
+    keys, prefix = store_chain(cache, keys, prefix, session, expect_followup)
     return cache.runners.stores.store_sync(keys, ids, prefix)

@@ -12,10 +12,12 @@ import logging
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from .media import MOVES, Medium
+
 log = logging.getLogger("tiered_kv")
 
-TIERS = ("cpu", "disk", "remote")
-DIRECTIONS = ("gpu_to_cpu", "cpu_to_gpu", "cpu_to_disk", "disk_to_cpu", "cpu_to_remote", "remote_to_cpu")
+TIERS = tuple(m.value for m in Medium if m is not Medium.GPU)  # ("cpu", "disk", "remote")
+DIRECTIONS = tuple(route.name for route in MOVES)  # ("gpu_to_cpu", "cpu_to_gpu", ...)
 # The remote tier's own per-operation results (the store counts them; the dispatcher counts directions).
 REMOTE_RESULTS = {"put": ("stored", "failed"), "get": ("hit", "miss", "corrupt", "failed"),
                   "exists": ("present", "absent", "failed")}

@@ -110,6 +110,8 @@ async def test_flipped_bytes_on_disk_are_misses_never_data(tmp_path, device):
             else:
                 assert got == 1
         assert cache.stats()["metrics"]["tiered_kv_corrupt_blocks_total{disk}"] == 3
+    async with cache_for(make_kv(64, device), cfg) as cache:  # the dropped slots were journaled invalid
+        assert [cache.lookup([key]).total for key in bad] == [0, 0, 0]
 
 
 @pytest.fixture

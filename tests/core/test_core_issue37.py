@@ -57,22 +57,22 @@ def bare_domain(cpu: int = 4, disk: int = 4, kind: int = 0):
 def test_a_protected_store_under_pins_places_what_fits_and_leaks_nothing(disk) -> None:
     m = TierManager(10, disk, KB, "lru", protect_share=0.9)
     old = keys("old", 10)
-    plan = m.prepare_store(old, np.arange(10))
-    m.complete_store(plan, True)
-    load = m.prepare_load(old[:6], 0)  # pins 6 blocks until complete_load
+    plan = m.stores.prepare(old, np.arange(10))
+    m.stores.complete(plan, True)
+    load = m.loads.prepare(old[:6], 0)  # pins 6 blocks until complete_load
     m.hint("b", old[6:9], protect=True)  # 3 more held while the first evict picks
     new = keys("a", 6)
     m.hint("a", new, protect=True)
-    store = m.prepare_store(new, np.arange(6))  # refused before: "4 evictable slots counted but fewer found"
+    store = m.stores.prepare(new, np.arange(6))  # refused before: "4 evictable slots counted but fewer found"
     assert len(store.cpu_slots) == 4  # 1 unprotected, then 3 of b's (the 6 loaded stay pinned)
     m.cpu.check_invariants()
-    m.complete_store(store, True)
-    m.complete_load(load, len(load))
+    m.stores.complete(store, True)
+    m.loads.complete_load(load, len(load))
     m.cpu.check_invariants()
     assert m.cpu.n_ready + m.cpu.free_count == 10  # no slot READY in no list, none RESERVED for no plan
     m.release("a")
     m.release("b")
-    again = m.prepare_store(keys("c", 10), np.arange(10))  # a full tier's worth fits again
+    again = m.stores.prepare(keys("c", 10), np.arange(10))  # a full tier's worth fits again
     assert len(again.cpu_slots) == 10
 
 

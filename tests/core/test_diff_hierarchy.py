@@ -61,7 +61,7 @@ class Walk:
         if op == "store":
             keys = self.chain()
             ids = np.arange(len(keys), dtype=np.int64)
-            rp, np_ = self.both(lambda m: m.prepare_store(keys, ids), "prepare_store")
+            rp, np_ = self.both(lambda m: m.stores.prepare(keys, ids), "prepare_store")
             if rp is not None:
                 self.queue_spill((rp.spill, np_.spill))
                 self.stores.append((rp, np_))
@@ -69,14 +69,14 @@ class Walk:
         elif op == "land" and self.stores:
             rp, np_ = self.pick(self.stores)
             ok = bool(r.random() < 0.9)
-            self.queue_spill(self.both(lambda m: m.complete_store(rp if m is self.ref else np_, ok), "complete_store"))
+            self.queue_spill(self.both(lambda m: m.stores.complete(rp if m is self.ref else np_, ok), "complete_store"))
         elif op == "spill" and self.spills:
             rj, nj = self.pick(self.spills)
             mask = r.random(len(rj)) < 0.9
-            self.both(lambda m: m.complete_spill(rj if m is self.ref else nj, mask), "complete_spill")
+            self.both(lambda m: m.room.complete_spill(rj if m is self.ref else nj, mask), "complete_spill")
         elif op == "load":
             keys, exclusive = self.chain(), bool(r.random() < 0.3)
-            rp, np_ = self.both(lambda m: m.prepare_load(keys, 8, exclusive=exclusive), "prepare_load")
+            rp, np_ = self.both(lambda m: m.loads.prepare(keys, 8, exclusive=exclusive), "prepare_load")
             if rp is None:
                 return
             self.queue_spill((rp.spill, np_.spill))
@@ -86,19 +86,19 @@ class Walk:
             def finish(m):
                 p, n = plan[id(m)], len(plan[id(m)])
                 if p.restage is not None:
-                    m.complete_restage(p)
+                    m.loads.complete_restage(p)
                 if p.promote is not None:
-                    n = min(n, m.complete_promote(p, ok))
-                m.complete_load(p, n)
+                    n = min(n, m.loads.complete_promote(p, ok))
+                m.loads.complete_load(p, n)
                 return n
 
             self.both(finish, "finish_load")
         elif op == "held":
             keys = self.chain()
-            self.both(lambda m: m.touch(keys, held=True), "touch held")
+            self.both(lambda m: m.stores.touch(keys, held=True), "touch held")
         elif op == "touch":
             keys = self.chain()
-            self.both(lambda m: m.touch(keys), "touch")
+            self.both(lambda m: m.stores.touch(keys), "touch")
         elif op == "hint":
             keys, session, protect = self.chain(), int(r.integers(3)), bool(r.random() < 0.5)
             self.both(lambda m: m.hint(session, keys, protect), "hint")

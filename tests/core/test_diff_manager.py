@@ -54,14 +54,14 @@ class ManagerTwins(RuleBasedStateMachine):
         if rj is None:
             return
         mask = np.resize(np.array(ok or [True], dtype=bool), len(rj))
-        self.both(lambda m: m.complete_spill(rj if m is self.ref else nj, mask), "complete_spill")
+        self.both(lambda m: m.room.complete_spill(rj if m is self.ref else nj, mask), "complete_spill")
 
     @rule(idx=chains, pre=st.lists(st.integers(0, len(POOL) - 1), max_size=4, unique=True),
           ok=st.lists(st.booleans(), max_size=4))  # fmt: skip
     def prepare_store(self, idx, pre, ok) -> None:
         keys, prefix = [POOL[i] for i in idx], [POOL[i] for i in pre if i not in idx]
         ids = np.arange(len(keys), dtype=np.int64)
-        rp, np_ = self.both(lambda m: m.prepare_store(keys, ids, prefix), "prepare_store")
+        rp, np_ = self.both(lambda m: m.stores.prepare(keys, ids, prefix), "prepare_store")
         if rp is None:
             return
         self.spill((rp.spill, np_.spill), ok)
@@ -71,13 +71,13 @@ class ManagerTwins(RuleBasedStateMachine):
     @rule(data=st.data(), ok=st.booleans(), spill_ok=st.lists(st.booleans(), max_size=3))
     def complete_store(self, data, ok, spill_ok) -> None:
         rp, np_ = self.stores.pop(data.draw(st.integers(0, len(self.stores) - 1)))
-        jobs = self.both(lambda m: m.complete_store(rp if m is self.ref else np_, ok), "complete_store")
+        jobs = self.both(lambda m: m.stores.complete(rp if m is self.ref else np_, ok), "complete_store")
         self.spill(jobs, spill_ok)
 
     @rule(idx=chains, max_promote=st.integers(0, 6), exclusive=st.booleans(), ok=st.lists(st.booleans(), max_size=3))
     def prepare_load(self, idx, max_promote, exclusive, ok) -> None:
         keys = [POOL[i] for i in idx]
-        rp, np_ = self.both(lambda m: m.prepare_load(keys, max_promote, exclusive=exclusive), "prepare_load")
+        rp, np_ = self.both(lambda m: m.loads.prepare(keys, max_promote, exclusive=exclusive), "prepare_load")
         if rp is None:
             return
         self.spill((rp.spill, np_.spill), ok)
@@ -89,19 +89,19 @@ class ManagerTwins(RuleBasedStateMachine):
         rp, np_ = self.loads.pop(data.draw(st.integers(0, len(self.loads) - 1)))
         plan = {id(self.ref): rp, id(self.nat): np_}
         if abort and rp.promote is None and rp.restage is None:
-            self.both(lambda m: m.abort_load(plan[id(m)]), "abort_load")
+            self.both(lambda m: m.loads.abort_load(plan[id(m)]), "abort_load")
             return
         if rp.restage is not None:
-            self.both(lambda m: m.complete_restage(plan[id(m)]), "complete_restage")
+            self.both(lambda m: m.loads.complete_restage(plan[id(m)]), "complete_restage")
 
         def finish(m):
             p, n = plan[id(m)], len(plan[id(m)])
             if p.promote is not None:
                 mask = np.resize(np.array(ok or [True], dtype=bool), len(p.promote))
-                n = min(n, m.complete_promote(p, mask, corrupt=corrupt))
+                n = min(n, m.loads.complete_promote(p, mask, corrupt=corrupt))
             if p.fetch is not None:
-                n = min(n, m.complete_fetch(p, np.ones(len(p.fetch), dtype=bool)))
-            m.complete_load(p, n)
+                n = min(n, m.loads.complete_fetch(p, np.ones(len(p.fetch), dtype=bool)))
+            m.loads.complete_load(p, n)
             return n
 
         self.both(finish, "finish_load")
@@ -114,7 +114,7 @@ class ManagerTwins(RuleBasedStateMachine):
 
     @rule(idx=chains)
     def touch(self, idx) -> None:
-        self.both(lambda m: m.touch([POOL[i] for i in idx]), "touch")
+        self.both(lambda m: m.stores.touch([POOL[i] for i in idx]), "touch")
 
     @rule(idx=chains, withdraw=st.booleans())
     def announce(self, idx, withdraw) -> None:
@@ -173,11 +173,11 @@ class HierarchyTwins(ManagerTwins):
         """A store whose copies and spills land at once: blocks reach the disk and keep their rank there."""
         keys = [POOL[i] for i in idx]
         ids = np.arange(len(keys), dtype=np.int64)
-        rp, np_ = self.both(lambda m: m.prepare_store(keys, ids), "prepare_store")
+        rp, np_ = self.both(lambda m: m.stores.prepare(keys, ids), "prepare_store")
         if rp is None:
             return
         self.spill((rp.spill, np_.spill), [True])
-        jobs = self.both(lambda m: m.complete_store(rp if m is self.ref else np_, True), "complete_store")
+        jobs = self.both(lambda m: m.stores.complete(rp if m is self.ref else np_, True), "complete_store")
         self.spill(jobs, [True])
         self.stored.append(idx)
 
@@ -188,9 +188,9 @@ class HierarchyTwins(ManagerTwins):
         own cache hit it (a held touch: history only)."""
         keys = [POOL[i] for i in data.draw(st.sampled_from(self.stored[-4:]))]
         if engine_hit:
-            self.both(lambda m: m.touch(keys, held=True), "touch held")
+            self.both(lambda m: m.stores.touch(keys, held=True), "touch held")
             return
-        rp, np_ = self.both(lambda m: m.prepare_load(keys, 8, exclusive=exclusive), "prepare_load")
+        rp, np_ = self.both(lambda m: m.loads.prepare(keys, 8, exclusive=exclusive), "prepare_load")
         if rp is None:
             return
         self.spill((rp.spill, np_.spill), [True])
@@ -199,10 +199,10 @@ class HierarchyTwins(ManagerTwins):
         def finish(m):
             p, n = plan[id(m)], len(plan[id(m)])
             if p.restage is not None:
-                m.complete_restage(p)
+                m.loads.complete_restage(p)
             if p.promote is not None:
-                n = min(n, m.complete_promote(p, np.ones(len(p.promote), dtype=bool)))
-            m.complete_load(p, n)
+                n = min(n, m.loads.complete_promote(p, np.ones(len(p.promote), dtype=bool)))
+            m.loads.complete_load(p, n)
             return n
 
         self.both(finish, "finish_load")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+from slab_blocks import read_blocks, write_blocks
+
 import tiered_kv as tkv
 from tiered_kv.cross_process import open_scheduler_cache
 
@@ -53,9 +55,9 @@ async def play_ranks(side, rows=None, timeout: float = 10.0):
     (job,) = await next_jobs(side, timeout)
     out = None
     if rows is not None:
-        side.cache.slabs.write_blocks(job.cpu_slots, rows)
+        write_blocks(side.cache.slabs, job.cpu_slots, rows)
     else:
-        out = side.cache.slabs.read_blocks(job.cpu_slots)
+        out = read_blocks(side.cache.slabs, job.cpu_slots)
     for rank in range(side.proxy.world_size):
         side.proxy.report(rank, [job.job_id])
     return out

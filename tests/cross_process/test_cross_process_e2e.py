@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from copier_proc import pattern, run
 from scheduler_helpers import SHARD, WORLD, config, shard_layout
+from slab_blocks import read_blocks
 
 from tiered_kv.cross_process import open_scheduler_cache, request_scope
 from tiered_kv.errors import TransferError
@@ -126,7 +127,7 @@ async def test_every_rank_round_trips_through_cpu_and_disk(workers, tmp_path):
         keys = keyer.keys_for_block_ids(range(3))
         assert (await cache.store(keys, [10, 11, 12])).stored == 3
         (job,) = pump.sent
-        rows = cache.slabs.read_blocks(job.cpu_slots)
+        rows = read_blocks(cache.slabs, job.cpu_slots)
         for i, g in enumerate([10, 11, 12]):
             assert np.array_equal(rows[i], np.concatenate([pattern(r, g, 1) for r in range(world)]))
         assert await cache.load(keys, [30, 31, 32]) == 3

@@ -14,6 +14,7 @@ import legacy_disk_writer as legacy
 import numpy as np
 import pytest
 from scheduler_helpers import SHARD, WORLD, play_ranks, scheduler
+from slab_blocks import read_blocks
 
 import tiered_kv as tkv
 from tiered_kv.cross_process import open_scheduler_cache
@@ -23,7 +24,7 @@ HERE = Path(__file__).parent
 
 @pytest.mark.parametrize("unlinked", [False, True], ids=["named", "unlinked"])
 async def test_after_a_kill_the_next_start_serves_whole_rows_from_disk(tmp_path, unlinked):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parents[1]), str(HERE)]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parents[1]), str(HERE.parent), str(HERE)]))
     proc = subprocess.Popen([sys.executable, str(HERE / "sched_proc.py"), str(tmp_path), *(["unlink"] * unlinked)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)  # fmt: skip
     try:
@@ -72,7 +73,7 @@ async def test_a_disk_tier_written_with_the_interleaved_rows_reads_back(tmp_path
         load = asyncio.ensure_future(side.cache.load(keys, list(range(20, 20 + legacy.BLOCKS))))
         await asyncio.wait_for(jobs.wait(), 30)
         (job,) = side.proxy.take_jobs()
-        got = side.cache.slabs.read_blocks(job.cpu_slots)  # what the ranks would copy out, rank by rank
+        got = read_blocks(side.cache.slabs, job.cpu_slots)  # what the ranks would copy out, rank by rank
         for rank in range(legacy.WORLD):
             side.proxy.report(rank, [job.job_id])
         assert await load == legacy.BLOCKS

@@ -144,3 +144,8 @@ def count(m: CacheMetrics, op: str, result: str) -> float:
 
 def env_without(name: str) -> dict:
     return {k: v for k, v in os.environ.items() if k != name}
+
+
+def pool_in_use(store) -> int:
+    """Pooled connections a RemoteStore's batch holds now (0 when idle)."""
+    return store._conns.in_use()

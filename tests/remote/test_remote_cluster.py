@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from redis_helpers import block_bytes, fill, key_rows, metrics, remote_cfg
+from redis_helpers import block_bytes, fill, key_rows, metrics, pool_in_use, remote_cfg
 
 from tiered_kv.tiers.remote import RemoteStore
 
@@ -25,6 +25,6 @@ async def test_cluster_put_get_byte_exact_across_nodes(redis_cluster, slabs):
         assert ok.all()
         for i in range(30):
             assert np.array_equal(slabs.slab_np[30 + i], block_bytes(keys[i].tobytes()))
-        assert not store.degraded and store.connections_in_use() == 0
+        assert not store.degraded and pool_in_use(store) == 0
     finally:
         await store.aclose()

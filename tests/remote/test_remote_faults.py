@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from redis_helpers import NO_REDIS, REDIS, RedisServer, key_rows, metrics, remote_cfg
+from redis_helpers import NO_REDIS, REDIS, RedisServer, key_rows, metrics, pool_in_use, remote_cfg
 
 import tiered_kv as tkv
 from tiered_kv.tiers.cpu import CpuSlabs
@@ -78,7 +78,7 @@ async def test_sigkill_mid_put_then_restart(redis_server, big_slabs, caplog):
         await wait_recovered(store)
         assert not (await store.get(keys[:4], np.arange(N, N + 4))).any()  # the restart lost them: misses
         await round_trip_ok(store, big_slabs, keys[:16])
-        assert store.connections_in_use() == 0
+        assert pool_in_use(store) == 0
     finally:
         await store.aclose()
 

@@ -9,7 +9,7 @@ import asyncio
 import random
 
 import numpy as np
-from redis_helpers import BPB, block_bytes, fill, key_rows, metrics, remote_cfg
+from redis_helpers import BPB, block_bytes, fill, key_rows, metrics, pool_in_use, remote_cfg
 
 import tiered_kv as tkv
 from tiered_kv.tiers.cpu import CpuSlabs
@@ -58,7 +58,7 @@ async def test_thousand_concurrent_ops_with_cancellation(redis_server):
                     assert np.array_equal(slabs.slab_np[row], block_bytes(k.tobytes()))
         assert cancelled > 0 and finished > 0
         assert not store.degraded
-        assert store.connections_in_use() == 0
+        assert pool_in_use(store) == 0
         clients = int(redis_server.cli("info", "clients").split("connected_clients:")[1].split()[0])
         assert clients <= CONC + 1, clients  # + redis-cli itself
         slabs.slab_np[STORED : 2 * STORED] = 0  # the pool is still in step: a full batch byte-exact

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+from slab_blocks import read_blocks, write_blocks
 
 import tiered_kv as tkv
 from tiered_kv.cross_process import open_scheduler_cache
@@ -30,9 +31,9 @@ async def play_workers(side, fill=None):
             (job,) = jobs
             out = None
             if fill is not None:
-                side.cache.slabs.write_blocks(job.cpu_slots, fill)  # each rank's piece into its sub-slab
+                write_blocks(side.cache.slabs, job.cpu_slots, fill)  # each rank's piece into its sub-slab
             else:
-                out = side.cache.slabs.read_blocks(job.cpu_slots)
+                out = read_blocks(side.cache.slabs, job.cpu_slots)
             for rank in range(WORLD):
                 side.proxy.report(rank, [job.job_id])
             return out

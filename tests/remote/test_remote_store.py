@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from redis_helpers import BPB, RedisServer, block_bytes, count, fill, key_rows, metrics, remote_cfg
+from redis_helpers import (
+    BPB,
+    RedisServer,
+    block_bytes,
+    count,
+    fill,
+    key_rows,
+    metrics,
+    pool_in_use,
+    remote_cfg,
+)
 
 from tiered_kv.errors import ConfigError, RemoteError
 from tiered_kv.manager import PromoteJob, SpillJob
@@ -33,7 +43,7 @@ async def test_put_get_exists_byte_exact(redis_server, slabs):
         assert m.snapshot()["tiered_kv_remote_bytes_total{get}"] == 20 * (HEADER_SIZE + BPB)
         rk = redis_keys(b"tkv:" + NS.encode() + b":", keys[:1])[0].decode()
         assert 0 < int(redis_server.cli("ttl", rk)) <= 120  # ttl applied
-        assert not store.degraded and store.connections_in_use() == 0
+        assert not store.degraded and pool_in_use(store) == 0
     finally:
         await store.aclose()
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from slab_blocks import read_blocks, write_blocks
 
 from tiered_kv.errors import ConfigError, DiskError, LayoutError
 from tiered_kv.tiers.segment_geometry import round_up
@@ -51,9 +52,9 @@ def test_each_rank_has_a_contiguous_page_aligned_sub_slab(tmp_path):
     assert (sched.blocks[2, 0] == 7).all() and (sched.blocks[2, 1] == 9).all()
     assert not sched.blocks[[0, 1, 3]].any()
     slabs = SharedCpuSlabs(sched, [512, 512, 512, 512])
-    assert slabs.read_blocks([2]).tobytes() == bytes([7] * 1024 + [9] * 1024)  # rank 0's bytes first
+    assert read_blocks(slabs, [2]).tobytes() == bytes([7] * 1024 + [9] * 1024)  # rank 0's bytes first
     assert int(slabs.regions[3][2, 0]) == 9 and slabs.offsets == [0, 512, 1024, 1536]
-    slabs.write_blocks([1], (np.arange(2048) % 251).astype(np.uint8).reshape(1, 2048))
+    write_blocks(slabs, [1], (np.arange(2048) % 251).astype(np.uint8).reshape(1, 2048))
     assert (w1.shard(1)[1] == np.arange(1024, 2048) % 251).all()
     slabs.release()  # the scheduler leaves first: the workers still map it
     assert path.exists()

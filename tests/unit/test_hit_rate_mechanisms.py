@@ -10,10 +10,10 @@ from tiered_kv.manager import LookupResult, TierManager
 
 
 def store(m: TierManager, ks: list[bytes], prefix: list[bytes] = ()):
-    plan = m.prepare_store(ks, ids(len(ks)), prefix)
+    plan = m.stores.prepare(ks, ids(len(ks)), prefix)
     if plan.spill is not None:
-        m.complete_spill(plan.spill, np.ones(len(plan.spill), dtype=bool))
-    m.complete_store(plan, True)
+        m.room.complete_spill(plan.spill, np.ones(len(plan.spill), dtype=bool))
+    m.stores.complete(plan, True)
     return plan
 
 
@@ -79,11 +79,11 @@ def test_an_exclusive_load_makes_the_cpu_copy_the_next_victim_and_it_is_dropped_
     a, b = keys("a", 2), keys("b", 2)
     store(m, a)
     store(m, b)
-    plan = m.prepare_load(b, 1 << 20, exclusive=True)
-    m.complete_load(plan, len(plan))
-    plan = m.prepare_store(keys("n", 2), ids(2))
+    plan = m.loads.prepare(b, 1 << 20, exclusive=True)
+    m.loads.complete_load(plan, len(plan))
+    plan = m.stores.prepare(keys("n", 2), ids(2))
     assert plan.spill is None  # the engine holds b: its CPU copies are dropped, not written to disk
-    m.complete_store(plan, True)
+    m.stores.complete(plan, True)
     assert not (set(b) & (cpu_keys(m) | disk_keys(m)))
     assert set(a) <= cpu_keys(m)
     # Stored back later (the engine evicted them): a plain store, most recent again.
@@ -134,10 +134,10 @@ def test_lookup_counts_blocks_in_flight_as_pending_hits():
     m = TierManager(8, None, 32)
     ks = keys("k", 4)
     store(m, ks[:2])
-    plan = m.prepare_store(ks[2:], ids(2))  # reserved, copy not landed
+    plan = m.stores.prepare(ks[2:], ids(2))  # reserved, copy not landed
     assert m.lookup(ks) == LookupResult(4, 2, 0, 2)
     assert m.lookup(ks).in_flight
-    m.complete_store(plan, False)  # the copy failed: they were never hits
+    m.stores.complete(plan, False)  # the copy failed: they were never hits
     assert m.lookup(ks) == LookupResult(2, 2, 0, 0)
 
 

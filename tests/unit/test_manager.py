@@ -24,24 +24,24 @@ def ids(n: int, start: int = 0) -> np.ndarray:
 
 
 def store(m: TierManager, ks: list[bytes]):
-    plan = m.prepare_store(ks, ids(len(ks)))
+    plan = m.stores.prepare(ks, ids(len(ks)))
     if plan.spill is not None:
-        m.complete_spill(plan.spill, np.ones(len(plan.spill), dtype=bool))
-    wt = m.complete_store(plan, True)
+        m.room.complete_spill(plan.spill, np.ones(len(plan.spill), dtype=bool))
+    wt = m.stores.complete(plan, True)
     if wt is not None:
-        m.complete_spill(wt, np.ones(len(wt), dtype=bool))
+        m.room.complete_spill(wt, np.ones(len(wt), dtype=bool))
     return plan
 
 
 def load(m: TierManager, ks: list[bytes], max_promote: int = 1 << 20, ok=None) -> int:
-    plan = m.prepare_load(ks, max_promote)
+    plan = m.loads.prepare(ks, max_promote)
     n = len(plan)
     if plan.spill is not None:
-        m.complete_spill(plan.spill, np.ones(len(plan.spill), dtype=bool))
+        m.room.complete_spill(plan.spill, np.ones(len(plan.spill), dtype=bool))
     if plan.promote is not None:
         mask = np.ones(len(plan.promote), dtype=bool) if ok is None else ok(plan.promote)
-        n = m.complete_promote(plan, mask)
-    m.complete_load(plan, n)
+        n = m.loads.complete_promote(plan, mask)
+    m.loads.complete_load(plan, n)
     return n
 
 
@@ -53,9 +53,9 @@ def test_store_then_lookup_and_dedupe():
     assert list(plan.cpu_slots) == [0, 1, 2, 3]  # ascending fresh slots: one run
     res = m.lookup(ks + keys("b", 2))
     assert (res.total, res.cpu, res.disk, res.in_flight) == (4, 4, 0, False)
-    again = m.prepare_store(ks + ks[:1], ids(5))
+    again = m.stores.prepare(ks + ks[:1], ids(5))
     assert (len(again.cpu_slots), again.deduped, again.in_flight) == (0, 5, 0)
-    m.complete_store(again, True)
+    m.stores.complete(again, True)
     m.check_invariants()
     assert [k for kind, tier, k in m.take_events() if kind == "stored"] == [ks]
 
@@ -63,12 +63,12 @@ def test_store_then_lookup_and_dedupe():
 def test_a_key_in_flight_is_counted_not_stored_twice():
     m = TierManager(16, None, KB)
     ks = keys("a", 3)
-    first = m.prepare_store(ks, ids(3))
+    first = m.stores.prepare(ks, ids(3))
     assert m.lookup(ks).in_flight
-    second = m.prepare_store(ks, ids(3, 10))
+    second = m.stores.prepare(ks, ids(3, 10))
     assert (len(second.cpu_slots), second.in_flight) == (0, 3)
-    assert m.prepare_load(ks, 8).stop == "in_flight"
-    m.complete_store(first, False)  # aborted: the slots are free again
+    assert m.loads.prepare(ks, 8).stop == "in_flight"
+    m.stores.complete(first, False)  # aborted: the slots are free again
     assert m.lookup(ks).total == 0 and m.cpu.free_count == 16
     m.check_invariants()
 
@@ -89,14 +89,14 @@ def test_dirty_victims_are_spilled_before_their_slots_are_reused():
     m = TierManager(4, 16, KB)
     a, b = keys("a", 4), keys("b", 3)
     store(m, a)
-    plan = m.prepare_store(b, ids(3))
+    plan = m.stores.prepare(b, ids(3))
     spill = plan.spill
     assert spill is not None and spill.reuse and sorted(spill.cpu_slots) == sorted(plan.cpu_slots)
     # until the spill lands the victims are nowhere: in flight, not hits
     assert m.lookup(a) == LookupResult(4, 1, 0, 3) and m.lookup(a[1:]).in_flight
     assert set(map(bytes, spill.keys)) == set(a[1:])
-    m.complete_spill(spill, np.array([bytes(k) != a[1] for k in spill.keys]))  # a[1]'s write fails
-    m.complete_store(plan, True)
+    m.room.complete_spill(spill, np.array([bytes(k) != a[1] for k in spill.keys]))  # a[1]'s write fails
+    m.stores.complete(plan, True)
     res = m.lookup(a)
     assert (res.total, res.cpu) == (1, 1)  # a[1] was lost by the failed write
     assert m.lookup(a[2:]).disk == 2
@@ -116,12 +116,12 @@ def test_one_policy_spans_cpu_and_disk_and_a_blocks_history_survives_promotion()
     store(m, b)  # a moves down: first-time blocks, still in the window there
     assert m.disk.policy.list_sizes() == (4, 0) and m.lookup(a).disk == 4
     assert m.domain.history_sizes() == (0, 0)
-    plan = m.prepare_load(a[:2], 8)
-    assert m.complete_promote(plan, np.ones(2, dtype=bool)) == 2
+    plan = m.loads.prepare(a[:2], 8)
+    assert m.loads.complete_promote(plan, np.ones(2, dtype=bool)) == 2
     # Committed into the CPU before any touch, already in main: the disk copies' demotion passed
     # their history on (the b blocks they displaced moved down, still in the window).
     assert m.cpu.policy.list_sizes() == (2, 2) and m.disk.policy.list_sizes() == (2, 0)
-    m.complete_load(plan, 2)
+    m.loads.complete_load(plan, 2)
     m.check_invariants()
 
 
@@ -131,7 +131,7 @@ def test_a_spilled_block_keeps_its_rank_and_the_hierarchys_victim_leaves_from_th
     m = TierManager(2, 4, KB, "arc")
     a = keys("a", 2)
     store(m, a)
-    m.touch(a)  # T2
+    m.stores.touch(a)  # T2
     store(m, keys("b", 2))  # a moves down, still frequent
     assert m.lookup(a).disk == 2 and m.disk.policy.list_sizes() == (0, 2)
     m.check_invariants()
@@ -140,7 +140,7 @@ def test_a_spilled_block_keeps_its_rank_and_the_hierarchys_victim_leaves_from_th
     a, b = keys("a", 2), keys("b", 2)
     store(m, a)
     store(m, b)  # a on disk
-    m.touch(a)  # the disk's blocks are now the most recent of the hierarchy
+    m.stores.touch(a)  # the disk's blocks are now the most recent of the hierarchy
     plan = store(m, keys("c", 2))
     assert plan.spill is None  # b, the least recent anywhere, left from the CPU
     assert m.lookup(a).disk == 2 and m.lookup(b).total == 0
@@ -151,13 +151,13 @@ def test_the_engines_own_hits_become_history_for_when_it_stores_the_block():
     """touch(held=True) of keys no tier holds records a reference: stored later, the block goes to ARC's T2."""
     m = TierManager(4, 16, KB, "arc")
     a = keys("a", 2)
-    m.touch(a, held=True)  # first reference (the engine computed them)
-    m.touch(a, held=True)  # hit in the engine's cache
+    m.stores.touch(a, held=True)  # first reference (the engine computed them)
+    m.stores.touch(a, held=True)  # hit in the engine's cache
     assert m.domain.history_sizes() == (0, 2)
     store(m, a)
     assert m.cpu.policy.list_sizes() == (0, 2) and m.domain.history_sizes() == (0, 0)
     c = keys("c", 2)
-    m.touch(c, held=True)  # seen once: stored into T1
+    m.stores.touch(c, held=True)  # seen once: stored into T1
     store(m, c)
     assert m.cpu.policy.list_sizes() == (2, 2)
     m.check_invariants()
@@ -169,13 +169,13 @@ def test_load_promotes_disk_hits_and_pins_until_complete():
     store(m, a)
     store(m, keys("b", 4))  # pushes all of a to disk
     assert m.lookup(a).disk == 4
-    plan = m.prepare_load(a, 8)
+    plan = m.loads.prepare(a, 8)
     assert plan.promote is not None and len(plan.promote) == 4 and plan.stop == ""
     assert np.all(m.cpu.state[plan.promote.cpu_slots] == RESERVED)
-    assert m.prepare_load(a, 8).stop == "in_flight"  # a second load waits for this promotion
-    n = m.complete_promote(plan, np.ones(4, dtype=bool))
+    assert m.loads.prepare(a, 8).stop == "in_flight"  # a second load waits for this promotion
+    n = m.loads.complete_promote(plan, np.ones(4, dtype=bool))
     assert n == 4 and np.all(m.cpu.pins[plan.cpu_slots] == 1)
-    m.complete_load(plan, n)
+    m.loads.complete_load(plan, n)
     assert np.all(m.cpu.pins == 0) and np.all(m.cpu.state[plan.cpu_slots] == READY)
     assert m.lookup(a).cpu == 4  # promoted; the disk copies stay (inclusive) until evicted
     m.check_invariants()
@@ -203,12 +203,12 @@ def test_a_disk_prefix_longer_than_the_cpu_tier_loads_in_chunks():
     assert m.lookup(a).total == 12
     loaded = 0
     while loaded < 12:
-        plan = m.prepare_load(a[loaded:], 2)
+        plan = m.loads.prepare(a[loaded:], 2)
         assert len(plan) and plan.stop in ("room", "")
-        n = m.complete_promote(plan, np.ones(len(plan.promote), dtype=bool)) if plan.promote else len(plan)
+        n = m.loads.complete_promote(plan, np.ones(len(plan.promote), dtype=bool)) if plan.promote else len(plan)
         if plan.spill is not None:
-            m.complete_spill(plan.spill, np.ones(len(plan.spill), dtype=bool))
-        m.complete_load(plan, n)
+            m.room.complete_spill(plan.spill, np.ones(len(plan.spill), dtype=bool))
+        m.loads.complete_load(plan, n)
         loaded += n
     assert loaded == 12
     m.check_invariants()
@@ -217,11 +217,11 @@ def test_a_disk_prefix_longer_than_the_cpu_tier_loads_in_chunks():
 def test_write_through_pins_the_cpu_copy_while_it_is_written():
     m = TierManager(8, 8, KB, write_through=True)
     a = keys("a", 3)
-    plan = m.prepare_store(a, ids(3))
-    job = m.complete_store(plan, True)
+    plan = m.stores.prepare(a, ids(3))
+    job = m.stores.complete(plan, True)
     assert job is not None and not job.reuse and np.all(m.cpu.pins[job.cpu_slots] == 1)
     assert m.cpu.evictable == 0
-    m.complete_spill(job, np.ones(3, dtype=bool))
+    m.room.complete_spill(job, np.ones(3, dtype=bool))
     assert m.cpu.evictable == 3 and m.lookup(a).cpu == 3 and m.disk.n_ready == 3
     m.check_invariants()
 
@@ -230,11 +230,11 @@ def test_nothing_evictable_leaves_keys_unplaced():
     m = TierManager(2, None, KB)
     a = keys("a", 2)
     store(m, a)
-    plan = m.prepare_load(a, 4)  # pins both
-    s = m.prepare_store(keys("b", 2), ids(2))
+    plan = m.loads.prepare(a, 4)  # pins both
+    s = m.stores.prepare(keys("b", 2), ids(2))
     assert len(s.cpu_slots) == 0 and s.unplaced == 2
-    m.complete_store(s, True)
-    m.complete_load(plan, 2)
+    m.stores.complete(s, True)
+    m.loads.complete_load(plan, 2)
     m.check_invariants()
 
 
@@ -249,29 +249,29 @@ def test_random_operations_keep_the_invariants(seed, policy):
         op = rng.integers(4)
         ks = [pool[i] for i in rng.choice(80, size=rng.integers(1, 9), replace=False)]
         if op == 0:
-            plan = m.prepare_store(ks, ids(len(ks)))
+            plan = m.stores.prepare(ks, ids(len(ks)))
             if plan.spill is not None:
-                m.complete_spill(plan.spill, rng.random(len(plan.spill)) < 0.9)
-            wt = m.complete_store(plan, bool(rng.random() < 0.9))
+                m.room.complete_spill(plan.spill, rng.random(len(plan.spill)) < 0.9)
+            wt = m.stores.complete(plan, bool(rng.random() < 0.9))
             if wt is not None:
-                m.complete_spill(wt, rng.random(len(wt)) < 0.9)
+                m.room.complete_spill(wt, rng.random(len(wt)) < 0.9)
         elif op == 1:
-            plan = m.prepare_load(ks, int(rng.integers(1, 6)))
+            plan = m.loads.prepare(ks, int(rng.integers(1, 6)))
             if plan.spill is not None:
-                m.complete_spill(plan.spill, np.ones(len(plan.spill), dtype=bool))
+                m.room.complete_spill(plan.spill, np.ones(len(plan.spill), dtype=bool))
             n = len(plan)
             if plan.promote is not None:
-                n = m.complete_promote(plan, rng.random(len(plan.promote)) < 0.9)
+                n = m.loads.complete_promote(plan, rng.random(len(plan.promote)) < 0.9)
             open_loads.append((plan, n))
         elif op == 2 and open_loads:
             plan, n = open_loads.pop(int(rng.integers(len(open_loads))))
-            m.complete_load(plan, n)
+            m.loads.complete_load(plan, n)
         else:
             m.lookup(ks)
-            m.touch(ks)
+            m.stores.touch(ks)
         m.check_invariants()
     for plan, n in open_loads:
-        m.complete_load(plan, n)
+        m.loads.complete_load(plan, n)
     m.check_invariants()
     assert np.all(m.cpu.pins == 0)
 
@@ -284,12 +284,12 @@ def test_a_promotion_never_reads_a_disk_slot_its_own_spill_overwrites():
     store(m, b)  # a -> disk (slots 0, 1 of 4)
     store(m, keys("c", 2))  # b -> disk: the disk is full of a and b
     assert m.lookup(a).disk == 2 and m.disk.free_count == 0
-    plan = m.prepare_load(a, 2)  # needs both CPU slots: c spills, and the disk must evict b, not a
+    plan = m.loads.prepare(a, 2)  # needs both CPU slots: c spills, and the disk must evict b, not a
     assert plan.spill is not None and plan.promote is not None
     assert not set(plan.spill.disk_slots) & set(plan.promote.disk_slots)
-    m.complete_spill(plan.spill, np.ones(len(plan.spill), dtype=bool))
-    assert m.complete_promote(plan, np.ones(len(plan.promote), dtype=bool)) == 2
-    m.complete_load(plan, 2)
+    m.room.complete_spill(plan.spill, np.ones(len(plan.spill), dtype=bool))
+    assert m.loads.complete_promote(plan, np.ones(len(plan.promote), dtype=bool)) == 2
+    m.loads.complete_load(plan, 2)
     m.check_invariants()
 
 

@@ -89,8 +89,8 @@ def test_the_index_gives_stored_lengths_longest_first_and_is_bounded():
 
 
 def _store(m: TierManager, ks: list[bytes]) -> None:
-    plan = m.prepare_store(ks, np.arange(len(ks), dtype=np.int64))
-    m.complete_store(plan, True)
+    plan = m.stores.prepare(ks, np.arange(len(ks), dtype=np.int64))
+    m.stores.complete(plan, True)
 
 
 def _evicted(m: TierManager) -> list[bytes]:
@@ -119,9 +119,9 @@ def test_demote_with_a_disk_tier_drops_the_block_and_never_spills_it():
     _store(m, [tail])
     assert m.demote([tail, b"\0" * KEYER.key_bytes]) == 1  # a key nobody holds is left alone
     m.take_events()
-    plan = m.prepare_store(full_keys([7, 7, 7, 7]), np.arange(1, dtype=np.int64))
+    plan = m.stores.prepare(full_keys([7, 7, 7, 7]), np.arange(1, dtype=np.int64))
     assert plan.spill is None  # the cold block is dropped, not written down
-    m.complete_store(plan, True)
+    m.stores.complete(plan, True)
     assert m.tiers_of([a, tail]) == ["cpu", ""]
     m.check_invariants()
 

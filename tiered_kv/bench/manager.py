@@ -32,10 +32,10 @@ def bench_manager(*, rounds: int = 15, calls: int = 200, slots: int = 64 * BATCH
 
 
 def _store(m: TierManager, keys: list[bytes], ids: np.ndarray):
-    plan = m.prepare_store(keys, ids)
+    plan = m.stores.prepare(keys, ids)
     if plan.spill is not None:
-        m.complete_spill(plan.spill, np.ones(len(plan.spill), dtype=bool))
-    m.complete_store(plan, True)
+        m.room.complete_spill(plan.spill, np.ones(len(plan.spill), dtype=bool))
+    m.stores.complete(plan, True)
     return plan
 
 

@@ -35,8 +35,8 @@ def bench_memory(blocks: int = 1_000_000, policy: str = "lru") -> dict:
         manager = TierManager(blocks, None, KEY_BYTES, policy)
         for i in range(0, blocks, FILL_BATCH):
             batch = keys[i : i + FILL_BATCH]
-            plan = manager.prepare_store(batch, ids[: len(batch)])
-            manager.complete_store(plan, True)
+            plan = manager.stores.prepare(batch, ids[: len(batch)])
+            manager.stores.complete(plan, True)
         gc.collect()
         with_events = _traced()
         manager.take_events()  # a router would have taken them

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..media import REMOTE_TO_CPU
 from .key_rows import first_repeat, key_rows
 from .plans import LoadPlan, PromoteJob
 from .spills import RoomFinder
@@ -98,7 +99,7 @@ class LoadPlanner:
                 if d.any():
                     promote = PromoteJob(prows[:got][d], want_dslots[:got][d], slots[d], dpos[:got][d])
                 if r.any():
-                    fetch = PromoteJob(prows[:got][r], EMPTY, slots[r], dpos[:got][r])
+                    fetch = PromoteJob(prows[:got][r], EMPTY, slots[r], dpos[:got][r], REMOTE_TO_CPU)
         if got < len(dpos):  # the next hit has no CPU slot yet: this chunk ends before it
             end = int(dpos[got])
             s.cpu.unpin(src[end:][cpu_ready[end:cut]])
@@ -153,7 +154,7 @@ class LoadPlanner:
             if on_disk.any()
             else None
         )
-        fetch = PromoteJob(rows[:take][far], EMPTY, staged[far], pos[far]) if far.any() else None
+        fetch = PromoteJob(rows[:take][far], EMPTY, staged[far], pos[far], REMOTE_TO_CPU) if far.any() else None
         return LoadPlan(
             staged,
             promote,

@@ -3,13 +3,15 @@
 The shape follows vLLM's kv_offload manager: ``lookup``; ``prepare_store`` ->
 a plan of slots (plus the spill its evictions imply) -> ``complete_store(ok)``;
 ``prepare_load`` -> a plan (CPU hits pinned, disk hits to promote) ->
-``complete_promote`` -> ``complete_load``; ``complete_spill``; ``take_events``.
+``loads.complete_promote`` -> ``complete_load``; ``room.complete_spill``; ``take_events``.
 It never touches bytes and never awaits, so it is testable without an event
 loop; transfer/ executes its plans (the plan and finish phases of a move are here).
 
 Composed, not inherited: one TierState (state.py) that a store planner (storing.py), a load
-planner (loading.py) and a room finder (spills.py) share; this class looks up, hints and
-answers callers, handing each plan to its part.
+planner (loading.py) and a room finder (spills.py) share; the runners call those parts directly
+(``stores``, ``loads``, ``room``) but for the plan and finish doors a caller under the state lock
+goes through (``prepare_store``, ``complete_store``, ``prepare_load``, ``complete_load``, ``touch``),
+and this class looks up, announces, hints and demotes.
 
 Placement: CPU and disk are exclusive and run one eviction policy (native/domain.hpp):
 a key's recency, frequency and ghosts follow its block down and up. When the CPU needs
@@ -30,7 +32,7 @@ import numpy as np
 
 from ..core import core
 from .key_rows import key_rows
-from .loading import LoadPlanner, RunHold
+from .loading import LoadPlanner
 from .plans import LoadPlan, LookupResult, SpillJob, StorePlan
 from .sessions import Sessions
 from .spills import RoomFinder
@@ -42,13 +44,16 @@ EVENT_KINDS = ("stored", "evicted", "spilled", "dropped")
 
 
 class TierManager:
-    """Bookkeeping for the CPU tier, an optional disk tier and an optional remote tier (loop thread only).
+    """Bookkeeping for the CPU tier, an optional disk tier and an optional remote tier.
 
-    Its parts share one TierState: the load planner (loading.py) plans and commits loads, the room
-    finder (spills.py) evicts, spills and writes to the remote tier; this class plans stores, looks
-    up, touches and hints, and is the one door for callers. The remote tier has no slots here:
-    ``attach_remote`` gives its residency filter (``known(rows) -> bool[n]``, all False while the tier
-    is degraded).
+    Its parts share one TierState (``state``): the store planner (``stores``: storing.py) plans,
+    commits and touches stores, the load planner (``loads``: loading.py) plans and commits loads, the
+    room finder (``room``: spills.py) evicts, spills and writes to the remote tier. The runners
+    (transfer/runners/) call those parts directly, but for the five plan and finish doors below;
+    this class builds them, looks up, announces, hints, demotes and hands out events. Calls come one at a time: from the loop thread, or from
+    vLLM's scheduler thread holding the cache's state lock (state_lock.py). The remote tier has no
+    slots here: ``attach_remote`` gives its residency filter (``known(rows) -> bool[n]``, all False
+    while the tier is degraded).
     """
 
     def __init__(
@@ -95,6 +100,11 @@ class TierManager:
         return TierIndex("cpu", cpu_slots, key_bytes, policy), None, None
 
     # -- what callers read ------------------------------------------------------------
+    @property
+    def state(self) -> TierState:
+        """What the parts share (state.py): the runners ask it whether room may come free."""
+        return self._s
+
     @property
     def key_bytes(self) -> int:
         return self._s.key_bytes
@@ -211,7 +221,9 @@ class TierManager:
             where[far[s.remote_hits(rows[far])]] = "remote"
         return where.tolist()
 
-    # -- stores (the store planner's) -------------------------------------------------
+    # -- the plan and finish doors a caller under the state lock goes through ------------
+    # Kept on the manager (the rest of the parts' methods are called on the parts): the step protocol's
+    # lock check (tests/vllm/test_step_loop_calls.py) watches these names on the manager.
     def prepare_store(
         self, keys: Sequence[bytes], gpu_ids: np.ndarray, prefix: Sequence[bytes] = ()
     ) -> StorePlan:
@@ -226,41 +238,12 @@ class TierManager:
         """Mark resident keys as used, last first, so a prefix's head is the most recent (see StorePlanner.touch)."""
         self.stores.touch(keys, skip, held=held)
 
-    # -- loads (the load planner's) ---------------------------------------------------
     def prepare_load(self, keys: Sequence[bytes], max_promote: int, *, exclusive: bool = False) -> LoadPlan:
         """Pin the leading run's CPU hits; reserve CPU slots for up to ``max_promote`` disk or remote hits."""
         return self.loads.prepare(keys, max_promote, exclusive=exclusive)
 
-    def complete_promote(self, plan: LoadPlan, ok: np.ndarray, *, corrupt: bool = True) -> int:
-        return self.loads.complete_promote(plan, ok, corrupt=corrupt)
-
-    def complete_fetch(self, plan: LoadPlan, ok: np.ndarray) -> int:
-        return self.loads.complete_fetch(plan, ok)
-
-    def complete_restage(self, plan: LoadPlan) -> None:
-        self.loads.complete_restage(plan)
-
     def complete_load(self, plan: LoadPlan, loaded: int) -> None:
         self.loads.complete_load(plan, loaded)
-
-    def abort_load(self, plan: LoadPlan) -> None:
-        self.loads.abort_load(plan)
-
-    def hold_run(self, keys: Sequence[bytes]) -> RunHold:
-        return self.loads.hold_run(keys)
-
-    def release_hold(self, hold: RunHold, stop: int) -> None:
-        self.loads.release_hold(hold, stop)
-
-    # -- spills (the room finder's) ----------------------------------------------------
-    def complete_spill(self, job: SpillJob, ok: np.ndarray) -> None:
-        self.room.complete_spill(job, ok)
-
-    def remote_write_job(self, plan: StorePlan) -> SpillJob | None:
-        return self.room.remote_write_job(plan)
-
-    def complete_remote_write(self, job: SpillJob) -> None:
-        self.room.complete_remote_write(job)
 
     # -- announced stores ------------------------------------------------------------
     def announce(self, keys: Sequence[bytes]) -> None:

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..media import CPU_TO_DISK, DISK_TO_CPU, Route
 from .tier_index import EMPTY
 
 
@@ -54,6 +55,7 @@ class SpillJob:
     cpu_slots: np.ndarray
     disk_slots: np.ndarray
     reuse: bool
+    media: Route = CPU_TO_DISK  # or CPU_TO_REMOTE (its disk_slots are empty)
 
     def __len__(self) -> int:
         return len(self.cpu_slots)
@@ -74,6 +76,11 @@ class StorePlan:
     remote_spill: SpillJob | None = None  # write-back of the victims to the remote tier, before reuse
 
     @property
+    def must_wait(self) -> bool:
+        """Its copy must wait for I/O: the reused slots' old blocks are written out first."""
+        return self.spill is not None or self.remote_spill is not None
+
+    @property
     def unplaced(self) -> int:
         """New keys no slot could be found for (everything else pinned or in flight): the trailing ones."""
         return len(self.unplaced_idx)
@@ -87,6 +94,7 @@ class PromoteJob:
     disk_slots: np.ndarray
     cpu_slots: np.ndarray
     positions: np.ndarray  # index of each promoted key within the load plan's run
+    media: Route = DISK_TO_CPU  # or REMOTE_TO_CPU (its disk_slots are empty)
 
     def __len__(self) -> int:
         return len(self.cpu_slots)
@@ -112,6 +120,17 @@ class LoadPlan:
     staged: np.ndarray = field(default_factory=lambda: EMPTY)  # staging rows of an exclusive load
     restage: tuple[np.ndarray, np.ndarray] | None = None  # CPU hits -> their staging rows (copied first)
     remote_spill: SpillJob | None = None  # write-back to the remote tier of the same victims
+
+    @property
+    def must_wait(self) -> bool:
+        """Its copy must wait for I/O first: reads into CPU slots, the spills they imply, a restage."""
+        return (
+            self.promote is not None
+            or self.fetch is not None
+            or self.spill is not None
+            or self.restage is not None
+            or self.remote_spill is not None
+        )
 
     def __len__(self) -> int:
         return len(self.cpu_slots)

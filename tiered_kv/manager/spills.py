@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..media import CPU_TO_REMOTE
 from .plans import SpillJob, StorePlan
 from .ranking import merge_victims, ranked
 from .state import TierState
@@ -75,7 +76,7 @@ class RoomFinder:
         rows = s.cpu.keys.slot_keys[victims]
         fresh = ~s.remote_hits(rows)
         if fresh.any():
-            self._remote_spill = SpillJob(rows[fresh], victims[fresh], EMPTY, reuse=True)
+            self._remote_spill = SpillJob(rows[fresh], victims[fresh], EMPTY, reuse=True, media=CPU_TO_REMOTE)
 
     def take_remote_spill(self) -> SpillJob | None:
         """The write-back job to the remote tier that the last plan's evictions made (once)."""
@@ -93,7 +94,7 @@ class RoomFinder:
         if not fresh.any():
             return None
         s.cpu.pin(slots[fresh])  # servable meanwhile, and not evicted while it is read
-        return SpillJob(rows[fresh], slots[fresh], EMPTY, reuse=False)
+        return SpillJob(rows[fresh], slots[fresh], EMPTY, reuse=False, media=CPU_TO_REMOTE)
 
     def complete_remote_write(self, job: SpillJob) -> None:
         """A write to the remote tier ended (the residency knows what landed); release its pins."""

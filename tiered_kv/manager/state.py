@@ -1,10 +1,12 @@
 """What the tier manager's parts share: the tiers' indexes, staging rows, sessions, events, and what
 the manager knows of the tiers below it (is the disk writable, what does the remote tier hold).
 
-The manager (manager.py) builds one ``TierState`` and hands it to its load planner (loading.py)
-and its room finder (spills.py); all three run on the loop thread, one call at a time. Only the
-manager's own methods change the flags here: the cache reports a degraded disk or an attached
-remote tier through ``TierManager``, never by setting them.
+The manager (manager.py) builds one ``TierState`` and hands it to its parts: the store planner
+(storing.py), the load planner (loading.py) and the room finder (spills.py), which the runners
+(transfer/runners/) call directly. They run one call at a time: on the loop thread, or on vLLM's
+scheduler thread while it holds the cache's state lock (state_lock.py), which parks the loop between
+its callbacks. Only the manager's own methods change the flags here: the cache reports a degraded
+disk or an attached remote tier through ``TierManager``, never by setting them.
 """
 
 from __future__ import annotations
@@ -84,6 +86,14 @@ class TierState:
         self.fused = True
         self._events: deque[tuple[str, str, np.ndarray]] = deque(maxlen=max_events)
         self._on_event = on_event  # (kind, tier, count): the cache's metrics
+
+    def room_may_free(self, *, staging: bool = False) -> bool:
+        """Whether room that no plan found may still come free: CPU slots other calls hold (reserved
+        for their copies, or pinned while read), and with ``staging`` the staging rows in use."""
+        cpu = self.cpu
+        return bool(
+            cpu.n_reserved or cpu.n_ready_pinned or (staging and self.staging is not None and self.staging.in_use)
+        )
 
     def locate(self, rows: np.ndarray) -> Located:
         """Each key's CPU slot and state; for a key with no CPU entry (in any state: one in flight

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from .segment_geometry import rank_regions
 from .shared_cpu import SharedSegment
 
@@ -36,14 +34,6 @@ class SharedCpuSlabs:
         shards = [torch.from_numpy(segment.sub_slab(r)) for r in range(info.storage_ranks)]
         self.offsets = [rank * info.shard_bytes + offset for rank, offset, _ in placed]
         self.regions = [shards[rank][:, offset : offset + width] for rank, offset, width in placed]
-
-    def read_blocks(self, slots) -> np.ndarray:
-        """Whole blocks ``slots`` as one contiguous ``uint8[n, bytes_per_block]`` copy (rank 0's bytes first)."""
-        return self.slab_np[slots].reshape(-1, self.bytes_per_block)
-
-    def write_blocks(self, slots, rows: np.ndarray) -> None:
-        """Write whole blocks (``uint8[n, bytes_per_block]``, rank order) into ``slots``."""
-        self.slab_np[slots] = np.asarray(rows, np.uint8).reshape(-1, *self.slab_np.shape[1:])
 
     def release(self) -> None:
         """Drop the views and detach from the segment. Idempotent."""

@@ -345,10 +345,6 @@ class RemoteStore:
             raise SlotError(f"remote cpu_slots must be in [0, {len(self._slab)}), got {int(s.min())}..{int(s.max())}")
         return s.astype(np.int64, copy=False)
 
-    def connections_in_use(self) -> int:
-        """Pooled connections a batch holds now (0 when idle)."""
-        return self._conns.in_use()
-
     async def aclose(self) -> None:
         self._closed = True
         for task in (self._recovery, self._refreshing):

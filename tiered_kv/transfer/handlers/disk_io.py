@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from ...errors import DiskError, KeyFormatError, LayoutError
 from ...manager import PromoteJob, SpillJob
+from ...media import CPU_TO_DISK, DISK_TO_CPU
 from ...metrics import CacheMetrics
 from ...tier_config import DiskTierConfig
 from ...tiers.cpu import CpuSlabs
@@ -61,6 +63,11 @@ class DiskIO:
         )
         recovered = await store.open()
         return cls(store, slabs, metrics, on_degrade), recovered
+
+    def register(self, dispatcher: Any) -> None:
+        """CPU -> disk (spills; the slots dropped for good forgotten, and flushed) and disk -> CPU (promotions)."""
+        dispatcher.register(CPU_TO_DISK, self.write, forget=self.invalidate, flush=self.store.flush)
+        dispatcher.register(DISK_TO_CPU, self.read)
 
     @property
     def writable(self) -> bool:

@@ -1,13 +1,15 @@
-"""The dispatcher: runs one transfer job through the handler registered for its (source, destination) media.
+"""The dispatcher: runs one transfer job through the handler registered for its route (source, destination).
 
 It holds no bookkeeping: the tier manager decides what moves where, the runners (transfer/runners/)
 hand each job of a plan here, and the dispatcher runs it under the in-flight byte budget and reports
-which blocks made it. Adding a tier adds handlers, not branches.
+which blocks made it. Adding a tier adds handlers, not branches: the directions are the registered routes.
+
+Two doors, one budget (the shape of ``ByteBudget``'s ``take_now`` / ``acquire``): ``start_nowait`` starts
+a job at once or raises ``WouldBlock`` having done nothing; ``run`` awaits the job's turn and its end.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -17,41 +19,52 @@ import numpy as np
 
 from ...byte_budget import ByteBudget
 from ...errors import TransferError
+from ...media import Medium, Route
 from ...metrics import CacheMetrics
 
-MEDIA = ("gpu", "cpu", "disk", "remote")
-DIRECTIONS = {
-    ("gpu", "cpu"): "gpu_to_cpu",
-    ("cpu", "gpu"): "cpu_to_gpu",
-    ("cpu", "disk"): "cpu_to_disk",
-    ("disk", "cpu"): "disk_to_cpu",
-    ("cpu", "remote"): "cpu_to_remote",
-    ("remote", "cpu"): "remote_to_cpu",
-}
-
+Done = Callable[[BaseException | None], None]
 # A handler runs one job and returns a per-block ok mask; it raises only for a fault that
 # hit the whole batch, and only once nothing of the batch can still be in flight.
-Handler = Callable[[Any], Awaitable[np.ndarray]]
-# An inline handler runs one job on the calling thread and returns True once it has landed, or
-# returns False having done nothing (the job must go through ``run``); it raises as a handler does.
-InlineHandler = Callable[[Any], bool]
-# A threaded starter hands one job to the engine's thread: ``starter(job, token, done)``; ``done(error)``
-# runs on the loop once the job has landed, ``token`` is the caller's future (in flight until then).
-ThreadedStarter = Callable[[Any, "asyncio.Future[Any]", Callable[[BaseException | None], None]], None]
-# A "now" starter queues one job from the calling thread (no loop involved): ``starter(job, done)``;
-# ``done(error)`` runs in whichever thread learns that the job has landed or failed (the proxy engine's
-# reports: the scheduler's own thread, holding the cache's state lock).
-NowStarter = Callable[[Any, Callable[[BaseException | None], None]], None]
+Run = Callable[[Any], Awaitable[np.ndarray]]
+# An inline copy runs one job on the calling thread: True once it has landed, or False having done
+# nothing (it raises as a handler does).
+Inline = Callable[[Any], bool]
+# A hand-off starts one job without waiting: ``hand_off(job, done, out)``; ``done(error)`` runs once it
+# has landed or failed. ``out`` (transfer.runners.control.Outcome) says where the caller waits: on the
+# loop (``out.on_loop``: a hand-off to the engine's thread, ``done`` runs on the loop, and ``out()`` is
+# the caller's future, in flight until then), or off it (a loop-free queue only: ``done`` runs in
+# whichever thread learns the job's end). It raises WouldBlock, having done nothing, when it cannot
+# start the job for that caller.
+HandOff = Callable[[Any, Done, Any], None]
+
+
+class WouldBlock(Exception):
+    """Nothing was started: the job must go through the awaited door (``Dispatcher.run``)."""
+
+
+@dataclass(frozen=True)
+class Handlers:
+    """What one route offers: ``run`` (awaited); started at once (optional), ``inline`` and ``hand_off``;
+    for a route into a tier that keeps blocks, ``forget(slots)`` (journal slots dropped for good) and
+    ``flush()``."""
+
+    run: Run
+    inline: Inline | None = None
+    hand_off: HandOff | None = None
+    forget: Callable[[np.ndarray], None] | None = None
+    flush: Callable[[], Awaitable[Any]] | None = None
 
 
 @dataclass
 class CopyJob:
-    """GPU <-> CPU: row ``src_ids[i]`` of the source into row ``dst_ids[i]`` of the destination.
+    """Row ``src_ids[i]`` of ``route.src`` into row ``dst_ids[i]`` of ``route.dst`` (GPU <-> CPU, or rows
+    restaged within the CPU slab).
 
     ``compute``: what the copy is ordered after (a recorded CUDA event, or None; see
     ``transfer.base.check_compute``).
     """
 
+    media: Route
     src_ids: np.ndarray
     dst_ids: np.ndarray
     compute: Any = None
@@ -61,110 +74,73 @@ class CopyJob:
 
 
 class Dispatcher:
-    """Runs jobs through the handler registered for their (src, dst) media, under one byte budget."""
+    """Runs jobs through the handlers registered for their route, under one byte budget."""
 
     def __init__(self, budget: ByteBudget, metrics: CacheMetrics, bytes_per_block: int) -> None:
         self._budget = budget
         self._metrics = metrics
         self._bpb = bytes_per_block
-        self._handlers: dict[tuple[str, str], Handler] = {}
-        self._inline: dict[tuple[str, str], InlineHandler] = {}
-        self._threaded: dict[tuple[str, str], ThreadedStarter] = {}
-        self._now: dict[tuple[str, str], NowStarter] = {}
+        self._routes: dict[str, tuple[Route, Handlers]] = {}  # by the route's name: a str hashes in C
 
-    def register(self, src: str, dst: str, handler: Handler) -> None:
-        if src not in MEDIA or dst not in MEDIA or src == dst:
-            raise TransferError(f"cannot register a handler for {src!r} -> {dst!r}; media are {MEDIA}")
-        self._handlers[(src, dst)] = handler
+    def register(self, route: Route, run: Run, **more: Any) -> None:
+        """``route``'s handlers (``more``: the optional ones of ``Handlers``), replacing any before."""
+        if not isinstance(route, Route) or not all(isinstance(m, Medium) for m in (route.src, route.dst)):
+            raise TransferError(f"cannot register a handler for {route!r}: a Route of two Media is needed")
+        self._routes[route.name] = (route, Handlers(run, **more))
 
-    def register_inline(self, src: str, dst: str, handler: InlineHandler) -> None:
-        if (src, dst) not in DIRECTIONS:
-            raise TransferError(f"cannot register an inline handler for {src!r} -> {dst!r}")
-        self._inline[(src, dst)] = handler
+    @property
+    def directions(self) -> dict[Route, str]:
+        """Each registered route and its metrics label."""
+        return {route: name for name, (route, _) in self._routes.items()}
 
-    def run_inline(self, src: str, dst: str, job: Any) -> bool:
-        """Run ``job`` now, on this thread, when an inline handler takes it and the budget admits it
-        at once (its bytes are in flight only within this call); False, having done nothing, otherwise."""
-        handler = self._inline.get((src, dst))
-        n = len(job)
-        if handler is None or not self._budget.admits_now(n * self._bpb):
-            return False
-        t0 = time.perf_counter()
-        if not handler(job):
-            return False
-        self._metrics.moved(DIRECTIONS[(src, dst)], n, n * self._bpb, time.perf_counter() - t0)
-        return True
+    def handles(self, route: Route) -> bool:
+        return route.name in self._routes
 
-    def register_threaded(self, src: str, dst: str, starter: ThreadedStarter) -> None:
-        if (src, dst) not in DIRECTIONS:
-            raise TransferError(f"cannot register a threaded starter for {src!r} -> {dst!r}")
-        self._threaded[(src, dst)] = starter
+    def _handlers(self, route: Route) -> Handlers:
+        found = self._routes.get(route.name)
+        if found is None:
+            raise TransferError(f"no handler registered for {route.src.value} -> {route.dst.value}")
+        return found[1]
 
-    def start_threaded(
-        self,
-        src: str,
-        dst: str,
-        job: Any,
-        token: asyncio.Future,
-        done: Callable[[BaseException | None], None],
-    ) -> bool:
-        """Start ``job`` on the engine's thread when a starter is registered and the budget admits it at
-        once; ``done(error)`` runs on the loop once it has landed (the budget is released first).
-        False, having done nothing, otherwise: the job must go through ``run``."""
-        starter = self._threaded.get((src, dst))
-        if starter is None:
-            return False
-        return self._start(src, dst, job, lambda landed: starter(job, token, landed), done)
-
-    def register_now(self, src: str, dst: str, starter: NowStarter) -> None:
-        if (src, dst) not in DIRECTIONS:
-            raise TransferError(f"cannot register a now starter for {src!r} -> {dst!r}")
-        self._now[(src, dst)] = starter
-
-    def start_now(self, src: str, dst: str, job: Any, done: Callable[[BaseException | None], None]) -> bool:
-        """Queue ``job`` from this thread when a now starter is registered and the budget admits it at once
-        (a try-take: never waits); ``done(error)`` runs once it has landed (the budget is released first).
-        False, having done nothing, otherwise."""
-        starter = self._now.get((src, dst))
-        if starter is None:
-            return False
-        return self._start(src, dst, job, lambda landed: starter(job, landed), done)
-
-    def _start(self, src: str, dst: str, job: Any, start: Callable[[Callable[[BaseException | None], None]], None],
-               done: Callable[[BaseException | None], None]) -> bool:  # fmt: skip
+    def start_nowait(self, job: Any, done: Done, out: Any) -> bool:
+        """Start ``job`` at once when the budget admits it now (never waits): True once it has landed
+        within the call (an inline copy, for a caller on the loop: its bytes are in flight only within
+        the call); False when it was handed off with its bytes taken, and ``done(error)`` runs once it
+        has landed (the bytes released first). WouldBlock, having done nothing, otherwise. ``out``: see
+        ``HandOff``."""
+        handlers = self._handlers(job.media)
         n = len(job)
         nbytes = n * self._bpb
-        if not self._budget.take_now(nbytes):
-            return False
-        self._metrics.inflight_bytes.set(self._budget.used)
+        if not self._budget.admits_now(nbytes):
+            raise WouldBlock
         t0 = time.perf_counter()
+        if out.on_loop and handlers.inline is not None and handlers.inline(job):
+            self._moved(job.media, n, t0)
+            return True
+        if handlers.hand_off is None:
+            raise WouldBlock
+        self._budget.take_now(nbytes)  # admitted just above, and nothing ran between
 
         def landed(error: BaseException | None) -> None:
-            self._budget.release(nbytes)
-            self._metrics.inflight_bytes.set(self._budget.used)
+            self._release(nbytes)
             if error is None:
-                self._metrics.moved(DIRECTIONS[(src, dst)], n, nbytes, time.perf_counter() - t0)
+                self._moved(job.media, n, t0)
             done(error)
 
+        self._metrics.inflight_bytes.set(self._budget.used)
         try:
-            start(landed)
+            handlers.hand_off(job, landed, out)
         except BaseException:
-            self._budget.release(nbytes)
-            self._metrics.inflight_bytes.set(self._budget.used)
+            self._release(nbytes)
             raise
-        return True
+        return False
 
-    def handles(self, src: str, dst: str) -> bool:
-        return (src, dst) in self._handlers
-
-    async def run(self, src: str, dst: str, job: Any) -> np.ndarray:
-        """Run ``job`` (its ``len`` is its block count); returns the per-block ok mask."""
+    async def run(self, job: Any) -> np.ndarray:
+        """Run ``job`` (its ``len`` is its block count, its ``media`` its route); returns the per-block ok mask."""
         n = len(job)
         if n == 0:
             return np.zeros(0, dtype=bool)
-        handler = self._handlers.get((src, dst))
-        if handler is None:
-            raise TransferError(f"no handler registered for {src} -> {dst}")
+        handler = self._handlers(job.media).run
         nbytes = n * self._bpb
         await self._budget.acquire(nbytes)
         self._metrics.inflight_bytes.set(self._budget.used)
@@ -172,8 +148,26 @@ class Dispatcher:
         try:
             ok = await handler(job)
         finally:
-            self._budget.release(nbytes)
-            self._metrics.inflight_bytes.set(self._budget.used)
-        done = int(np.count_nonzero(ok))
-        self._metrics.moved(DIRECTIONS[(src, dst)], done, done * self._bpb, time.perf_counter() - t0)
+            self._release(nbytes)
+        self._moved(job.media, int(np.count_nonzero(ok)), t0)
         return ok
+
+    def forget(self, route: Route, slots: np.ndarray) -> None:
+        """The tier at ``route.dst`` forgets ``slots`` (dropped for good), when it keeps such a journal."""
+        forget = self._handlers(route).forget
+        if forget is not None and len(slots):
+            forget(slots)
+
+    async def flush(self, route: Route) -> None:
+        """What ``forget`` journaled for the tier at ``route.dst`` is durable once this returns."""
+        flush = self._handlers(route).flush
+        if flush is not None:
+            await flush()
+
+    def _release(self, nbytes: int) -> None:
+        self._budget.release(nbytes)
+        self._metrics.inflight_bytes.set(self._budget.used)
+
+    def _moved(self, route: Route, done: int, t0: float) -> None:
+        if route.moves:  # rows restaged within the CPU slab change no tier
+            self._metrics.moved(route.name, done, done * self._bpb, time.perf_counter() - t0)

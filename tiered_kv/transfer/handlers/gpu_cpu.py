@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...media import CPU_TO_GPU, GPU_TO_CPU
 from ..engines.base import CopyEngine, Direction
-from .dispatch import CopyJob, Dispatcher, InlineHandler, NowStarter, ThreadedStarter
+from .dispatch import CopyJob, Dispatcher, HandOff, Inline, WouldBlock
 
 
 def store_handler(engine: CopyEngine):
@@ -28,53 +29,41 @@ def load_handler(engine: CopyEngine):
     return run
 
 
-def inline_handler(engine: CopyEngine, direction: Direction) -> InlineHandler | None:
+def inline_copy(engine: CopyEngine, direction: Direction) -> Inline | None:
     """The engine's synchronous copy (``copy_inline``: host engines only), or None: a CUDA copy
     always ends later, on its stream."""
     copy = getattr(engine, "copy_inline", None)
     if copy is None:
         return None
-
-    def run(job: CopyJob) -> bool:
-        return copy(direction, job.src_ids, job.dst_ids)
-
-    return run
+    return lambda job: copy(direction, job.src_ids, job.dst_ids)
 
 
-def threaded_starter(engine: CopyEngine, direction: Direction) -> ThreadedStarter | None:
-    """The engine's one-hand-off threaded copy (``copy_threaded``: host engines only), or None."""
-    start = getattr(engine, "copy_threaded", None)
-    if start is None:
+def hand_off(engine: CopyEngine, direction: Direction) -> HandOff | None:
+    """How ``engine`` starts a copy it finishes later, or None: for a caller on the loop its one-hand-off
+    threaded copy (``copy_threaded``: host engines), for a caller off the loop its loop-free queueing
+    (``copy_now``: the cross-process proxy engine)."""
+    threaded = getattr(engine, "copy_threaded", None)
+    now = getattr(engine, "copy_now", None)
+    if threaded is None and now is None:
         return None
 
-    def run(job: CopyJob, token, done) -> None:
-        start(direction, job.src_ids, job.dst_ids, token, done)
+    def start(job: CopyJob, done, out) -> None:
+        if not out.on_loop and now is not None:
+            now(direction, job.src_ids, job.dst_ids, done)
+        elif out.on_loop and threaded is not None:
+            threaded(direction, job.src_ids, job.dst_ids, out(), done)
+        else:
+            raise WouldBlock
 
-    return run
-
-
-def now_starter(engine: CopyEngine, direction: Direction) -> NowStarter | None:
-    """The engine's loop-free queueing (``copy_now``: the cross-process proxy engine), or None."""
-    start = getattr(engine, "copy_now", None)
-    if start is None:
-        return None
-
-    def run(job: CopyJob, done) -> None:
-        start(direction, job.src_ids, job.dst_ids, done)
-
-    return run
+    return start
 
 
 def register_engine(dispatcher: Dispatcher, engine: CopyEngine) -> None:
-    """GPU <-> CPU through ``engine``: awaited batches, plus the inline and threaded copies a host engine offers."""
-    dispatcher.register("gpu", "cpu", store_handler(engine))
-    dispatcher.register("cpu", "gpu", load_handler(engine))
-    for (src, dst), direction in ((("gpu", "cpu"), Direction.STORE), (("cpu", "gpu"), Direction.LOAD)):
-        inline, threaded = inline_handler(engine, direction), threaded_starter(engine, direction)
-        if inline is not None:
-            dispatcher.register_inline(src, dst, inline)
-        if threaded is not None:
-            dispatcher.register_threaded(src, dst, threaded)
-        now = now_starter(engine, direction)
-        if now is not None:
-            dispatcher.register_now(src, dst, now)
+    """GPU <-> CPU through ``engine``: awaited batches, plus whatever copies it starts at once."""
+    for route, handler, direction in (
+        (GPU_TO_CPU, store_handler(engine), Direction.STORE),
+        (CPU_TO_GPU, load_handler(engine), Direction.LOAD),
+    ):
+        dispatcher.register(
+            route, handler, inline=inline_copy(engine, direction), hand_off=hand_off(engine, direction)
+        )

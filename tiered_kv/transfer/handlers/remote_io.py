@@ -19,6 +19,7 @@ import numpy as np
 
 from ...errors import KeyFormatError, SlotError
 from ...manager.key_rows import key_rows
+from ...media import CPU_TO_REMOTE, REMOTE_TO_CPU
 from ...metrics import CacheMetrics
 from ...owned_tasks import TaskSet
 from ...tiers.remote import RemoteResidency, RemoteStore
@@ -82,6 +83,11 @@ class RemoteIO:
         self.residency = RemoteResidency(self.residency.max_keys)
         self.rejected = RemoteResidency(REJECTED_KEYS)
         return await purge_namespace(self.store._conns, self.store._prefix)
+
+    def register(self, dispatcher: Any) -> None:
+        """CPU -> remote (write-back and write-through) and remote -> CPU (fetches)."""
+        dispatcher.register(CPU_TO_REMOTE, self.write)
+        dispatcher.register(REMOTE_TO_CPU, self.read)
 
     @property
     def writable(self) -> bool:

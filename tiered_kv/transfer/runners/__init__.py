@@ -11,8 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from ...manager import TierManager
 from ...metrics import CacheMetrics
 from ...owned_tasks import TaskSet
@@ -52,8 +50,6 @@ class Runners:
         tasks: TaskSet,
         progress: Progress,
         *,
-        slab: np.ndarray,
-        bytes_per_block: int,
         max_promote: int,
         disk: DiskIO | None,
         remote: Any,
@@ -64,15 +60,5 @@ class Runners:
         stores = StoreRunner(
             manager, dispatcher, metrics, spills, tasks, progress, remote_writes=remote is not None
         )
-        loads = LoadRunner(
-            manager,
-            dispatcher,
-            spills,
-            tasks,
-            progress,
-            slab=slab,
-            bytes_per_block=bytes_per_block,
-            max_promote=max_promote,
-            disk=disk,
-        )
+        loads = LoadRunner(manager, dispatcher, spills, tasks, progress, max_promote=max_promote)
         return cls(spills, stores, loads)

@@ -5,12 +5,13 @@ whether it holds anything yet, a load's hook and pins, the compute event every G
 on). ``run_move`` runs the move as a task the cache owns and waits for it under the cache's
 contract: a cancelled caller returns only once every copy into or out of its GPU blocks has
 landed. ``ThreadedCopyFuture`` is the one future of a call whose copy runs on the engine's
-thread. ``Progress`` wakes moves that wait for room or for another call's keys.
+thread; ``Outcome`` makes it only when a copy is handed off. ``Progress`` wakes moves that wait for room or for another call's keys.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -46,6 +47,24 @@ class ThreadedCopyFuture(asyncio.Future):
     def cancel(self, msg: Any = None) -> bool:
         self.gave_up = True
         return False
+
+
+class Outcome:
+    """Where a started copy's caller learns its end: on the loop a ThreadedCopyFuture, made only once
+    the copy is handed off (most land inline, within the call); off the loop a
+    ``concurrent.futures.Future`` made up front. Calling it returns the future."""
+
+    __slots__ = ("_future", "_loop", "on_loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop
+        self.on_loop = loop is not None
+        self._future: Any = None if loop is not None else concurrent.futures.Future()
+
+    def __call__(self) -> Any:
+        if self._future is None:
+            self._future = ThreadedCopyFuture(self._loop)
+        return self._future
 
 
 class Progress:

@@ -17,6 +17,7 @@ import numpy as np
 
 from ...errors import DiskError, RemoteError
 from ...manager import SpillJob, TierManager
+from ...media import CPU_TO_DISK
 from ...metrics import CacheMetrics
 from ...owned_tasks import TaskSet
 from ..handlers import DiskIO, Dispatcher
@@ -67,9 +68,9 @@ class SpillRunner:
     async def write_remote(self, job: SpillJob) -> None:
         """CPU -> remote; never raises for Redis faults (the store degrades and answers False)."""
         try:
-            await self._dispatch.run("cpu", "remote", job)
+            await self._dispatch.run(job)
         finally:
-            self._m.complete_remote_write(job)
+            self._m.room.complete_remote_write(job)
             self._progress.notify()  # its pins are released: a load waiting for room may go on
 
     async def spill(self, job: SpillJob) -> None:
@@ -77,14 +78,14 @@ class SpillRunner:
         disk = self._disk
         ok = None  # cancelled or failed before the write said: nothing counts as written
         try:
-            ok = await self._dispatch.run("cpu", "disk", job) if disk is not None and disk.writable else None
+            ok = await self._dispatch.run(job) if disk is not None and disk.writable else None
         except DiskError as exc:
             disk.degrade(exc)
         finally:
             if ok is None:
                 ok = np.zeros(len(job), dtype=bool)
                 self._metrics.drop("cpu", "spill_failed", len(job))
-            self._m.complete_spill(job, ok)
+            self._m.room.complete_spill(job, ok)
             self._metrics.spills.inc(int(np.count_nonzero(ok)))
             self._progress.notify()
 
@@ -92,8 +93,8 @@ class SpillRunner:
         """A reset: journal ``disk_slots`` as invalid (flushed before this returns: a restart recovers
         none) and empty the remote namespace. A remote tier that cannot be emptied is logged, not raised."""
         if self._disk is not None and disk_slots is not None and len(disk_slots):
-            self._disk.invalidate(disk_slots)
-            await self._disk.store.flush()
+            self._dispatch.forget(CPU_TO_DISK, disk_slots)
+            await self._dispatch.flush(CPU_TO_DISK)
         if self._remote is not None:
             try:
                 await self._remote.purge()
