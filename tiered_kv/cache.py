@@ -262,7 +262,7 @@ class TieredKVCache:
         self.lifecycle.check_open()
         probing = self.remote.probing if self.remote is not None else None
         busy = [t for t in self._tasks if not t.done() and t is not probing]
-        if busy or self._budget.used or getattr(self.engine, "inflight", 0):
+        if busy or self._budget.used or self.engine.inflight:
             return False
         old = self.manager
         disk_slots = np.flatnonzero(old.disk.state == READY) if old.disk is not None else None
@@ -300,7 +300,7 @@ class TieredKVCache:
             "bytes_per_block": self.layout.bytes_per_block,
             "inflight_bytes": self._budget.used,
             # Which copy the engine chose at start (table, table-direct, groups, host-rows): issue 38.
-            "copy_path": getattr(self.engine, "copy_path", None),
+            "copy_path": self.engine.copy_path,
         }
         if self.remote is not None:
             out["remote"] = {"known": len(self.remote.residency), "degraded": self.remote.store.degraded}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...media import CPU_TO_GPU, GPU_TO_CPU
-from ..engines.base import CopyEngine, Direction
+from ..engines.base import CopyEngine, Direction, InlineCopies, NowCopies, ThreadedCopies
 from .dispatch import CopyJob, Dispatcher, HandOff, Inline, WouldBlock
 
 
@@ -32,9 +32,9 @@ def load_handler(engine: CopyEngine):
 def inline_copy(engine: CopyEngine, direction: Direction) -> Inline | None:
     """The engine's synchronous copy (``copy_inline``: host engines only), or None: a CUDA copy
     always ends later, on its stream."""
-    copy = getattr(engine, "copy_inline", None)
-    if copy is None:
+    if not isinstance(engine, InlineCopies):
         return None
+    copy = engine.copy_inline
     return lambda job: copy(direction, job.src_ids, job.dst_ids)
 
 
@@ -42,8 +42,8 @@ def hand_off(engine: CopyEngine, direction: Direction) -> HandOff | None:
     """How ``engine`` starts a copy it finishes later, or None: for a caller on the loop its one-hand-off
     threaded copy (``copy_threaded``: host engines), for a caller off the loop its loop-free queueing
     (``copy_now``: the cross-process proxy engine)."""
-    threaded = getattr(engine, "copy_threaded", None)
-    now = getattr(engine, "copy_now", None)
+    threaded = engine.copy_threaded if isinstance(engine, ThreadedCopies) else None
+    now = engine.copy_now if isinstance(engine, NowCopies) else None
     if threaded is None and now is None:
         return None
 
