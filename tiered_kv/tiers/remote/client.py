@@ -21,10 +21,10 @@ from ...tier_config import RemoteTierConfig
 try:
     from redis.asyncio import ConnectionPool
     from redis.asyncio.cluster import ClusterNode, RedisCluster
+    from redis.asyncio.retry import Retry  # the asyncio client's own (not a converted sync one)
     from redis.backoff import NoBackoff
     from redis.crc import key_slot
     from redis.exceptions import OutOfMemoryError, ResponseError  # noqa: F401 - OutOfMemoryError: for store.py
-    from redis.retry import Retry
 except ImportError as e:  # an extra: say how to get it instead of a bare ModuleNotFoundError
     raise RemoteError(f"tiers.remote needs redis-py: pip install 'tiered_kv[remote]' ({e})") from e
 from ...redis_url import redact, split_node
