@@ -98,7 +98,7 @@ def test_completions_arrive_in_fifo_order():
 
 
 def test_a_failed_batch_is_reported_when_its_done_event_completes():
-    copier, _, _ = rig()
+    copier, *_tensors = rig()  # held: the copier's regions point into them
     fake.fail_batches(1)
     seq = copier.submit(0, np.array([1, 2]), np.array([0, 1]))
     store, _, errors = wait_for(copier, 0, seq)
@@ -108,7 +108,7 @@ def test_a_failed_batch_is_reported_when_its_done_event_completes():
 
 
 def test_refused_calls_queue_nothing_and_close_is_final():
-    copier, _, _ = rig()
+    copier, *_tensors = rig()  # held: the copier's regions point into them
     fake.reset_counts()
     with pytest.raises(TransferError, match="duplicate cpu slot 3 in one batch"):
         copier.submit(0, [1, 2], [3, 3])
