@@ -6,7 +6,7 @@ reuse, the reads into those slots, an exclusive load's restaging, the copy into 
 blocks, each through the dispatcher) -> finish (``complete_promote`` / ``complete_fetch``, then
 ``complete_load``). A prefix longer than one chunk is planned again where the last chunk stopped; a
 key in flight elsewhere is waited for (``Progress``). One body starts a plan's copy now
-(``_load_nowait``: CPU hits alone, started inline, on the engine's thread or queue) or raises
+(``_load_nowait``: CPU hits alone, started inline, on the engine's thread, queue or stream) or raises
 WouldBlock; ``load`` (on the loop) and ``load_sync`` (in a thread holding the cache's state lock)
 are doors over it.
 """
@@ -69,7 +69,7 @@ class LoadRunner:
             # Only a run that ends in this chunk starts now; one that waits for others' keys or room plans again.
             if not plan.must_wait and (n and plan.stop in ("", "miss") or not n and not self._others_hold(plan)):
                 try:
-                    got = self._load_nowait(plan, ids, Outcome(asyncio.get_running_loop()))
+                    got = self._load_nowait(plan, ids, Outcome(asyncio.get_running_loop()), compute)
                 except WouldBlock:
                     pass
                 else:  # an int, or the copy on the engine's thread (a cancel waits for it to land)
@@ -103,7 +103,7 @@ class LoadRunner:
             out().set_result(got)
         return out(), None, len(plan)
 
-    def _load_nowait(self, plan: LoadPlan, ids: np.ndarray, out: Outcome) -> int | Any:
+    def _load_nowait(self, plan: LoadPlan, ids: np.ndarray, out: Outcome, compute: Any = None) -> int | Any:
         """Start the copy of ``plan``'s CPU hits (nothing for it to wait for) into ``ids``: the blocks
         loaded when it completes within the call (an inline copy, or nothing to copy); ``out``'s future
         when the copy was handed off (resolved with the blocks landed once it has, the plan completed first).
@@ -111,7 +111,7 @@ class LoadRunner:
         n = len(plan)
         if not n:
             return 0
-        job = CopyJob(CPU_TO_GPU, plan.cpu_slots, ids[:n])
+        job = CopyJob(CPU_TO_GPU, plan.cpu_slots, ids[:n], compute)
 
         def landed(error: BaseException | None) -> None:
             fut = out()

@@ -4,7 +4,8 @@ Plan (the store planner's ``prepare``) -> execute (here, through the dispatcher)
 ``complete``), then the write-through jobs start in the background (spill.py).
 One body decides whether a plan starts now (``_store_nowait``, the shape of ``ByteBudget.take_now``):
 nothing must wait but the copy, and the dispatcher starts it at once (inline, with no suspension point,
-so no cancellation can come between; or handed to the engine's thread or queue) -> its result or its
+so no cancellation can come between; or handed to the engine's thread, queue or stream: handlers/
+gpu_cpu.py) -> its result or its
 future; or it raises WouldBlock and the plan runs as a task the cache owns (``run_move``). ``store``
 (on the loop) and ``store_sync`` (in a thread holding the cache's state lock) are doors over it.
 """
@@ -73,7 +74,7 @@ class StoreRunner:
             return await run_move(self._tasks, control, self._run_after(control, after, keys, ids, prefix))
         plan = self._m.prepare_store(keys, ids, prefix)
         try:
-            got = self._store_nowait(plan, len(keys), Outcome(asyncio.get_running_loop()))
+            got = self._store_nowait(plan, len(keys), Outcome(asyncio.get_running_loop()), compute)
         except WouldBlock:
             control = MoveControl(compute)
             return await run_move(self._tasks, control, self._run(control, keys, ids, prefix, plan))
@@ -99,7 +100,7 @@ class StoreRunner:
             out().set_result(got)
         return out(), None
 
-    def _store_nowait(self, plan: StorePlan, n_keys: int, out: Outcome) -> StoreResult | Any:
+    def _store_nowait(self, plan: StorePlan, n_keys: int, out: Outcome, compute: Any = None) -> StoreResult | Any:
         """Start ``plan`` now: its result when it is committed within the call (nothing to copy, or an
         inline copy); ``out``'s future when its copy was handed off (resolved once it lands and the plan
         is committed). WouldBlock, with the plan untouched, when it must wait: its spills first, room
@@ -121,7 +122,7 @@ class StoreRunner:
                     fut.set_result(self._result(n_keys, stored, plan.deduped, plan.in_flight))
 
             try:
-                if not self._dispatch.start_nowait(CopyJob(GPU_TO_CPU, plan.gpu_ids, plan.cpu_slots), landed, out):
+                if not self._dispatch.start_nowait(CopyJob(GPU_TO_CPU, plan.gpu_ids, plan.cpu_slots, compute), landed, out):
                     return out()
             except WouldBlock:
                 raise
