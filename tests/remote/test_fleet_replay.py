@@ -39,7 +39,11 @@ def test_two_instances_serve_each_others_blocks_from_redis(redis_server):
     fleet = replay(redis_server.url, 2)
     total = fleet.total.stats
     assert [r.stats.requests for r in fleet.instances] == [REQUESTS // 2] * 2  # round-robin
-    assert total.hits_remote > 0 and all(r.stats.hits_remote > 0 for r in fleet.instances)
+    # Remote hits in total, not per instance: the two run concurrently and their write-throughs land when
+    # they land, so on a loaded machine one instance can run ahead and find none of the other's blocks yet
+    # (a fresh clone's `make test` failed 1 of 3 so). Any remote hit here is the other instance's block:
+    # one instance alone never evicts (below).
+    assert total.hits_remote > 0
     assert total.corrupt == 0 and total.verified >= total.hits_remote  # every remote hit verified byte for byte
     assert fleet.total.metrics["tiered_kv_remote_blocks_total{get,hit}"] >= total.hits_remote
     # A fleet of one with the same CPU tier never evicts, so it never needs Redis.
