@@ -4,6 +4,9 @@ each job lands whole before any layer group (a hit that ends inside a block)."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -175,9 +178,17 @@ def test_the_copier_reports_direct_layered_loads_through_poll_wait_and_pending(t
         assert copier.pending == 1 and copier.poll() == ([], [])
         with pytest.raises(TransferError, match=r"jobs \[11\] still copying after 0.05 s"):
             copier.wait([11], 0.05)
-        fake.hold(held, False)
-        copier.wait([11], 10)  # reported through the copier's own wait: no thread of the loads calls back
+        release = threading.Timer(0.05, fake.hold, (held, False))  # lands while the copier waits for it
+        release.start()
+        copier.wait([11], 10)  # blocks in the loads' own wait, then reports: no thread of theirs calls back
+        release.join()
         assert copier.poll() == ([11], []) and copier.pending == 0
+        # Without a wait: pending and poll read the marks themselves.
+        copier.submit_layered([ShardJob(12, LOAD, np.array([30]), np.array([5]))])
+        deadline = time.monotonic() + 10
+        while copier.pending and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert copier.pending == 0 and copier.poll() == ([12], [])
         for i, name in enumerate(LAYERS):
             assert np.array_equal(kv[name][[20, 21, 22]].numpy(), shard[[2, 5, 7], 256 * i : 256 * (i + 1)])
     finally:
