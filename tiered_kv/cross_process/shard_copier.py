@@ -303,10 +303,9 @@ class ShardCopier:
                 return False
         if self._layers is not None:
             try:
-                self._layers.wait(left())  # the direct road's loads (a host engine's report by themselves)
-            except TransferError:
+                self._layers.wait(left())  # the direct road's loads, reported as they land (a host engine's
+            except TransferError:  # report by themselves)
                 return False
-        self._poll_layers()
         with self._lock:
             return self._lock.wait_for(layered_done, left())
 

@@ -66,7 +66,26 @@ class Completions:
             return self._cond.wait_for(lambda: self._done == self._started, timeout_s)
 
 
-class CountedRowEngine(NumpyRowEngine):
+class CountedByCompletions:
+    """``CountedCopies`` read from ``self._counts`` (a Completions) for an engine whose copies also end through
+    its asyncio API: ``close_copies`` releases it only when nothing was submitted through that API."""
+
+    _counts: Completions
+
+    def copies_done(self, direction: Direction) -> tuple[int, dict[int, str]]:
+        return self._counts.done(direction)
+
+    def wait_copies(self, direction: Direction, seq: int, timeout_s: float | None = None) -> bool:
+        return self._counts.wait(direction, seq, timeout_s)
+
+    def close_copies(self) -> None:
+        self._closed = True
+        self._counts.wait_all()
+        if not self._pending:  # nothing was submitted through the asyncio API either
+            self._release()
+
+
+class CountedRowEngine(CountedByCompletions, NumpyRowEngine):
     """NumpyRowEngine's copies and threads, started with ``start_copy`` and counted (base.CountedCopies)."""
 
     def __init__(self, *args, **kwargs) -> None:
@@ -90,17 +109,6 @@ class CountedRowEngine(NumpyRowEngine):
             error = f"{direction.value} of {len(src)} blocks failed: {exc}"
         self._counts.finish(direction, seq, error)
 
-    def copies_done(self, direction: Direction) -> tuple[int, dict[int, str]]:
-        return self._counts.done(direction)
-
-    def wait_copies(self, direction: Direction, seq: int, timeout_s: float | None = None) -> bool:
-        return self._counts.wait(direction, seq, timeout_s)
-
-    def close_copies(self) -> None:
-        self._closed = True
-        self._counts.wait_all()
-        if not self._pending:  # nothing was submitted through the asyncio API either
-            self._release()
 
 
 class CountedDirectEngine(DirectCopyEngine):

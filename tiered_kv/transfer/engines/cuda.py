@@ -54,7 +54,7 @@ import torch
 from ...errors import ConfigError, LayoutError, TransferError
 from .base import Compute, CopyEngine, CopyHandle, Direction, check_compute, check_id_arrays, is_event
 from .bridge import EventBridge
-from .counted import Completions
+from .counted import Completions, CountedByCompletions
 from .index_ring import IndexRing
 from .staged import Lanes, Staging, enqueue_load, enqueue_store, gpu_groups, host_slabs
 from .table import DeviceIds, build_table, choose_path, enqueue_table
@@ -62,7 +62,7 @@ from .table import DeviceIds, build_table, choose_path, enqueue_table
 DEFAULT_STAGING_BYTES = 64 * 1024 * 1024
 
 
-class CUDAStreamEngine(CopyEngine):
+class CUDAStreamEngine(CountedByCompletions, CopyEngine):
     """Copies on two CUDA streams of its own (store, load); needs pinned CPU regions.
 
     The streams have the default priority: CUDA's priorities only go up from the
@@ -146,18 +146,6 @@ class CUDAStreamEngine(CopyEngine):
         seq = self._counts.issue(direction)
         self._bridges[direction].watch(done, seq, _NOW, self._counted_finish[direction], error=error, keepalive=keep)
         return seq
-
-    def copies_done(self, direction: Direction) -> tuple[int, dict[int, str]]:
-        return self._counts.done(direction)
-
-    def wait_copies(self, direction: Direction, seq: int, timeout_s: float | None = None) -> bool:
-        return self._counts.wait(direction, seq, timeout_s)
-
-    def close_copies(self) -> None:
-        self._closed = True
-        self._counts.wait_all()
-        if not self._pending:
-            self._release()
 
     def _enqueue(
         self, direction: Direction, src: np.ndarray, dst: np.ndarray, compute: Compute,
