@@ -170,6 +170,10 @@ PYBIND11_MODULE(_core, m) {
         error_class(Err::BlockId) = block_id;
     });
     m.def("block_ids", &block_ids, py::arg("ids"), py::arg("num_blocks"));
+    m.def("slot_runs", [](py::array_t<i64, py::array::c_style | py::array::forcecast> slots) {
+        if (slots.ndim() != 1) raise(Err::Slot, "slot_runs: slots must be 1-D, got " + S(slots.ndim()) + " dims");
+        return count_runs(slots.data(), slots.size());
+    }, py::arg("slots"));
 #ifdef TKV_DEBUG
     m.attr("DEBUG") = true;
 #else

@@ -48,4 +48,15 @@ inline i64 repeated_id(const i64* ids, i64 n) {
     return rep == s.end() ? -1 : *rep;
 }
 
+// How many runs of consecutive ids n distinct ids (any order) form: 0 for none (the store metrics' count,
+// one sort of a small copy instead of numpy's four passes).
+inline i64 count_runs(const i64* ids, i64 n) {
+    if (n < 1) return 0;
+    std::vector<i64> s(ids, ids + n);
+    std::sort(s.begin(), s.end());
+    i64 runs = 1;
+    for (i64 i = 1; i < n; ++i) runs += s[static_cast<size_t>(i)] != s[static_cast<size_t>(i - 1)] + 1;
+    return runs;
+}
+
 }  // namespace tkv

@@ -11,7 +11,9 @@ import logging
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import HistogramMetricFamily
 
+from .core import core
 from .media import MOVES, Medium
 
 log = logging.getLogger("tiered_kv")
@@ -69,11 +71,9 @@ class CacheMetrics:
             d: (self.blocks.labels(d), self.bytes.labels(d), self.seconds.labels(d)) for d in DIRECTIONS
         }
         self.op_latency = {op: self.latency.labels(op) for op in ("load", "store")}
-        self.slot_runs = Histogram(
-            "tiered_kv_store_slot_runs", "Runs of consecutive CPU slots per store plan", buckets=_RUN_BUCKETS, registry=r
-        )
         self.runs_per_call: dict[int, int] = {}  # runs -> store plans with that many (exact, for reports)
         self.run_blocks = 0  # the slots of those plans
+        r.register(_SlotRunsHistogram(self.runs_per_call))  # tiered_kv_store_slot_runs, built from it at scrape
         self._drop_causes_logged: set[tuple[str, str]] = set()
 
     def track_used_slots(self, tier: str, used) -> None:
@@ -110,7 +110,6 @@ class CacheMetrics:
         if not len(slots):
             return
         n = slot_runs(slots)
-        self.slot_runs.observe(n)
         self.runs_per_call[n] = self.runs_per_call.get(n, 0) + 1
         self.run_blocks += len(slots)
 
@@ -131,11 +130,28 @@ class CacheMetrics:
 
 
 def slot_runs(slots: np.ndarray) -> int:
-    """How many runs of consecutive slots ``slots`` (distinct, any order) form: 0 for none."""
-    if not len(slots):
-        return 0
-    ordered = np.sort(slots)  # a slice difference, not np.diff: a third less per store (its Python wrapper)
-    return 1 + int(np.count_nonzero(ordered[1:] - ordered[:-1] != 1))
+    """How many runs of consecutive slots ``slots`` (distinct, any order) form: 0 for none (native: a tenth
+    of numpy's sort and compare on a 64-slot plan)."""
+    return core.slot_runs(slots)
+
+
+class _SlotRunsHistogram:
+    """``tiered_kv_store_slot_runs`` as a Prometheus histogram, read from the exact counts a store already keeps
+    (runs -> plans) when scraped: a store pays one dict update, not a second record of the same count."""
+
+    def __init__(self, counts: dict[int, int]) -> None:
+        self._counts = counts
+
+    def describe(self):
+        return [HistogramMetricFamily("tiered_kv_store_slot_runs", "Runs of consecutive CPU slots per store plan")]
+
+    def collect(self):
+        counts = dict(self._counts)  # one C-level copy: a store on another thread may add a key meanwhile
+        buckets = [(str(float(b)), sum(n for runs, n in counts.items() if runs <= b)) for b in _RUN_BUCKETS]
+        buckets.append(("+Inf", sum(counts.values())))  # cumulative, as Prometheus buckets are
+        total = float(sum(runs * n for runs, n in counts.items()))
+        yield HistogramMetricFamily("tiered_kv_store_slot_runs", "Runs of consecutive CPU slots per store plan",
+                                    buckets=buckets, sum_value=total)  # fmt: skip
 
 
 def runs_summary(counts: dict[int, int], blocks: int = 0) -> dict[str, float | int | None]:

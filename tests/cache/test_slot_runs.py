@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from cache_helpers import cache_for, config, fill, holds, make_kv
+from prometheus_client import generate_latest
 
 from tiered_kv.metrics import runs_summary, slot_runs
 
@@ -49,6 +50,9 @@ async def test_fresh_stores_are_one_run_each_and_evictions_are_counted_too(devic
         assert cache.metrics.runs_per_call == {1: 4, 2: 1} and cache.metrics.run_blocks == 24
         snap = cache.metrics.snapshot()
         assert snap["tiered_kv_store_slot_runs_count"] == 5 and snap["tiered_kv_store_slot_runs_sum"] == 6
+        scraped = generate_latest(cache.metrics.registry).decode()  # cumulative buckets, as Prometheus reads them
+        for le, plans in (("1.0", 4), ("2.0", 5), ("64.0", 5), ("+Inf", 5)):
+            assert f'tiered_kv_store_slot_runs_bucket{{le="{le}"}} {plans}.0' in scraped
         assert await cache.load(fresh, list(range(50, 58))) == 8
         assert all(holds(kv, 50 + i, key) for i, key in enumerate(fresh))
         cache.check_invariants()
