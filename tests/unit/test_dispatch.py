@@ -73,8 +73,10 @@ def test_a_handed_off_start_holds_its_bytes_until_it_lands():
     d.register(CPU_TO_GPU, ones, hand_off=lambda j, done, out: started.append(done))
     assert d.start_nowait(job(3, CPU_TO_GPU), ended.append, Outcome()) is False
     assert budget.used == 3 * BPB and moved(metrics, "cpu_to_gpu") == 0 and ended == []
+    assert metrics.snapshot()["tiered_kv_inflight_bytes"] == 3 * BPB  # the gauge reads the budget when scraped
     started[0](None)
     assert budget.used == 0 and moved(metrics, "cpu_to_gpu") == 3 and ended == [None]
+    assert metrics.snapshot()["tiered_kv_inflight_bytes"] == 0
 
 
 def test_would_block_starts_nothing_and_takes_nothing():

@@ -80,6 +80,8 @@ class Dispatcher:
         self._budget = budget
         self._metrics = metrics
         self._bpb = bytes_per_block
+        # Read at scrape time, not set on every take and release (two gauge writes a call).
+        metrics.inflight_bytes.set_function(lambda: budget.used)
         self._routes: dict[str, tuple[Route, Handlers]] = {}  # by the route's name: a str hashes in C
 
     def register(self, route: Route, run: Run, **more: Any) -> None:
@@ -122,16 +124,15 @@ class Dispatcher:
         self._budget.take_now(nbytes)  # admitted just above, and nothing ran between
 
         def landed(error: BaseException | None) -> None:
-            self._release(nbytes)
+            self._budget.release(nbytes)
             if error is None:
                 self._moved(job.media, n, t0)
             done(error)
 
-        self._metrics.inflight_bytes.set(self._budget.used)
         try:
             handlers.hand_off(job, landed, out)
         except BaseException:
-            self._release(nbytes)
+            self._budget.release(nbytes)
             raise
         return False
 
@@ -143,12 +144,11 @@ class Dispatcher:
         handler = self._handlers(job.media).run
         nbytes = n * self._bpb
         await self._budget.acquire(nbytes)
-        self._metrics.inflight_bytes.set(self._budget.used)
         t0 = time.perf_counter()  # not loop.time(): uvloop's ticks in whole milliseconds
         try:
             ok = await handler(job)
         finally:
-            self._release(nbytes)
+            self._budget.release(nbytes)
         self._moved(job.media, int(np.count_nonzero(ok)), t0)
         return ok
 
@@ -163,10 +163,6 @@ class Dispatcher:
         flush = self._handlers(route).flush
         if flush is not None:
             await flush()
-
-    def _release(self, nbytes: int) -> None:
-        self._budget.release(nbytes)
-        self._metrics.inflight_bytes.set(self._budget.used)
 
     def _moved(self, route: Route, done: int, t0: float) -> None:
         if route.moves:  # rows restaged within the CPU slab change no tier
