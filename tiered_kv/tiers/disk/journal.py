@@ -12,6 +12,7 @@ import errno
 import logging
 import os
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 from aiofiles.threadpool.binary import AsyncFileIO
@@ -19,7 +20,8 @@ from aiofiles.threadpool.binary import AsyncFileIO
 from tiered_kv.errors import DiskError
 
 from .aio import DiskCalls
-from .format import JCOMMIT, JINVALIDATE, JOURNAL_FILE, JREC_SIZE, encode_journal, encode_records
+from .batch_job import BatchJob
+from .format import JINVALIDATE, JOURNAL_FILE, JREC_SIZE, encode_journal, encode_records
 from .recovery import READ_CHUNK, empty_replay, replay_journal
 
 log = logging.getLogger("tiered_kv.disk")
@@ -110,15 +112,39 @@ class Journal:
             self.live[todo] = False
             self.nlive -= len(todo)
 
-    async def commit(self, slots: np.ndarray, seqs: np.ndarray, keys: np.ndarray, psums: np.ndarray) -> None:
-        """Journal the commits of distinct ``slots`` (keys: uint8 [n, key_bytes]) in one append, once
-        their bytes are written."""
+    async def write_batch(self, slots: np.ndarray, seqs: np.ndarray, keys: np.ndarray,
+                          write_data: Callable[[], tuple[np.ndarray, int]]) -> int:  # fmt: skip
+        """One batch of distinct ``slots`` (keys: uint8 [n, key_bytes]) in ONE executor job (batch_job.py):
+        its invalidations (plus whatever ``invalidate_many`` queued), ``write_data()`` (returns the payload
+        checksums and the data syscalls), its commits. The bookkeeping stays here, on the loop, before and
+        after the job; returns the data syscalls."""
         async with self.lock:
-            await self._append(encode_records(JCOMMIT, slots, seqs, psums, keys))
-            self.nlive += int(np.count_nonzero(~self.live[slots]))
-            self.live[slots], self.seqs[slots], self.psums[slots], self.keys[slots] = True, seqs, psums, keys
+            queued = [self.pending.popleft() for _ in range(len(self.pending))]
+            todo = np.unique(np.concatenate([*queued, slots]).astype(np.int64)) if queued else slots
+            todo = todo[self.live[todo]]  # only commits need a record
+            try:
+                await self._make_room((len(todo) + len(slots)) * JREC_SIZE)
+            except OSError:
+                self.pending.append(todo)  # retried at the next journal write
+                raise
+            job = BatchJob(self.fd, self.size, self.fsync, todo, int(seqs.max()), slots, seqs, keys, write_data)
+            try:
+                syscalls = await self.calls.run(job)
+            finally:
+                self.appends += job.appends
+                if job.inv_done:
+                    self._appended(job.inv_bytes)
+                    self.live[todo] = False
+                    self.nlive -= len(todo)
+                elif len(todo):
+                    self.pending.append(todo)  # the old blocks are intact: retried at the next journal write
+                if job.commit_done:
+                    self._appended(job.commit_bytes)
+                    self.nlive += int(np.count_nonzero(~self.live[slots]))
+                    self.live[slots], self.seqs[slots], self.psums[slots], self.keys[slots] = True, seqs, job.psums, keys
             if self._too_big():
                 await self._try_compact()
+            return syscalls
 
     async def close(self) -> None:
         async with self.lock:
@@ -140,13 +166,21 @@ class Journal:
             self.retry_at = 2 * self.records
             log.warning("disk tier: journal compaction in %s failed (%s); will retry later", self.dir, e)
 
-    async def _append(self, data: bytes) -> None:
-        if self.size + len(data) > self.limit:
+    async def _make_room(self, nbytes: int) -> None:
+        if self.size + nbytes > self.limit:
             try:  # at the bound compaction is no longer optional: without it the journal grows forever
                 await self._compact()
             except OSError as e:
                 raise DiskError(e.errno or errno.EIO, f"journal reached its bound of {self.limit} bytes and "
                                 f"cannot be compacted: {e.strerror or e}", self.path) from e
+
+    def _appended(self, nbytes: int) -> None:
+        self.size += nbytes
+        self.records += nbytes // JREC_SIZE
+
+    async def _append(self, data: bytes) -> None:
+        """One append through the file's position (flush, aclose): off the hot path, two hand-offs."""
+        await self._make_room(len(data))
         try:
             self.appends += 1
             await self.calls.write_all(self.file, data)
@@ -162,8 +196,7 @@ class Journal:
             except OSError:
                 pass
             raise
-        self.size += len(data)
-        self.records += len(data) // JREC_SIZE
+        self._appended(len(data))
 
     async def _compact(self) -> None:
         live = np.flatnonzero(self.live)

@@ -348,19 +348,23 @@ class DiskStore:
 
     async def _write(self, slots: np.ndarray, keys: np.ndarray, seqs: np.ndarray, src: np.ndarray,
                      rows: list[int]) -> int:  # fmt: skip
-        """Invalidations, data, commits for one batch sorted by slot; returns the data syscalls made."""
-        calls = self._calls
+        """Invalidations, data, commits for one batch sorted by slot, in one executor job; returns the data
+        syscalls made. The journal's lock is held around the job, so batches run one at a time (also
+        with O_DIRECT, where they used to overlap their data writes: see journal.write_batch)."""
+        dfd, fsync = self._dfd, self._fsync
+
+        def write_data() -> tuple[np.ndarray, int]:  # step 2 of the job, on its thread
+            psums, syscalls = self._write_records(slots, keys, seqs, src, rows)
+            if fsync:
+                os.fdatasync(dfd)
+            return psums, syscalls
+
         async with self._write_lock if not self.o_direct_active else contextlib.nullcontext():
-            await self._journal.before_write(slots, int(seqs.max()))  # the old blocks stop being offered first
-            psums, syscalls = await calls.run(self._write_records, slots, keys, seqs, src, rows)
-            if self._fsync:
-                await calls.fdatasync(self._dfd)
-        await self._journal.commit(slots, seqs, keys, psums)
-        return syscalls
+            return await self._journal.write_batch(slots, seqs, keys, write_data)
 
     def _write_records(self, slots: np.ndarray, keys: np.ndarray, seqs: np.ndarray, src: np.ndarray,
                        rows: list[int]) -> tuple[np.ndarray, int]:  # fmt: skip
-        """The batch's checksums and data, in one executor job: one pwritev per run of consecutive slots."""
+        """The batch's checksums and data (in its executor job): one pwritev per run of consecutive slots."""
         psums = self._hasher.rows(src, rows)
         headers = encode_headers(slots, keys, self._bpb, seqs, psums)
         return psums, self._io.write_batch(self._dfd, slots, headers, src, rows)
