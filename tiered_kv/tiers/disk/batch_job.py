@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -52,13 +53,27 @@ def append_at(fd: int, data: bytes, at: int, fsync: bool) -> None:
     os.lseek(fd, at + len(data), os.SEEK_SET)  # flush()'s appends go through the file's position
 
 
+class Tail:
+    """The journal's end as the batch jobs in flight see it: their appends take turns under ``lock``, each
+    at ``end`` (a failed one is cut off there, so ``end`` stays on a record boundary)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.end = 0
+
+    def append(self, fd: int, data: bytes, fsync: bool) -> None:
+        with self.lock:
+            append_at(fd, data, self.end, fsync)
+            self.end += len(data)
+
+
 class BatchJob:
     """The I/O of one batch, sorted by slot; call it on an executor thread. Returns the data syscalls."""
 
-    def __init__(self, fd: int, at: int, fsync: bool, inv: np.ndarray, inv_seq: int, slots: np.ndarray,
+    def __init__(self, fd: int, tail: Tail, fsync: bool, inv: np.ndarray, inv_seq: int, slots: np.ndarray,
                  seqs: np.ndarray, keys: np.ndarray,
                  write_data: Callable[[], tuple[np.ndarray, int]]) -> None:  # fmt: skip
-        self.fd, self.at, self.fsync = fd, at, fsync
+        self.fd, self.tail, self.fsync = fd, tail, fsync
         self.inv, self.inv_seq, self.slots, self.seqs, self.keys = inv, inv_seq, slots, seqs, keys
         self.write_data = write_data
         self.appends = self.inv_bytes = self.commit_bytes = 0  # read by the loop once the job ended
@@ -69,11 +84,11 @@ class BatchJob:
         if len(self.inv):
             recs = encode_records(JINVALIDATE, self.inv, self.inv_seq)
             self.appends += 1
-            append_at(self.fd, recs, self.at, self.fsync)
+            self.tail.append(self.fd, recs, self.fsync)
             self.inv_bytes, self.inv_done = len(recs), True
         self.psums, syscalls = self.write_data()
         recs = encode_records(JCOMMIT, self.slots, self.seqs, self.psums, self.keys)
         self.appends += 1
-        append_at(self.fd, recs, self.at + self.inv_bytes, self.fsync)
+        self.tail.append(self.fd, recs, self.fsync)
         self.commit_bytes, self.commit_done = len(recs), True
         return syscalls

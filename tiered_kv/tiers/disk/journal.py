@@ -20,7 +20,7 @@ from aiofiles.threadpool.binary import AsyncFileIO
 from tiered_kv.errors import DiskError
 
 from .aio import DiskCalls
-from .batch_job import BatchJob
+from .batch_job import BatchJob, Tail
 from .format import JINVALIDATE, JOURNAL_FILE, JREC_SIZE, encode_journal, encode_records
 from .recovery import READ_CHUNK, empty_replay, replay_journal
 
@@ -58,6 +58,10 @@ class Journal:
         self.size = self.records = self.nlive = self.max_seq = self.retry_at = 0
         self.appends = 0  # record writes (one per batch of invalidations or commits): for tests and benches
         self.pending: deque[np.ndarray] = deque()  # slot arrays queued by invalidate_many
+        self.tail = Tail()  # where the batch jobs in flight append
+        self._jobs = self._reserved = 0  # batch jobs in flight, the journal bytes they may still append
+        self._idle = asyncio.Event()
+        self._idle.set()
         self.num_slots = num_slots
         empty = empty_replay(0, key_bytes)  # the per-slot mirror comes from load()
         self.live, self.keys, self.seqs, self.psums = empty.live, empty.keys, empty.seqs, empty.psums
@@ -99,6 +103,7 @@ class Journal:
         """Journal queued invalidations and those of ``slots`` that hold commits, in one append, before
         their bytes change."""
         async with self.lock:
+            await self._quiesce()
             queued = [self.pending.popleft() for _ in range(len(self.pending))]
             todo = np.unique(np.concatenate([*queued, slots]).astype(np.int64)) if queued else slots
             todo = todo[self.live[todo]]  # only commits need a record
@@ -116,38 +121,68 @@ class Journal:
                           write_data: Callable[[], tuple[np.ndarray, int]]) -> int:  # fmt: skip
         """One batch of distinct ``slots`` (keys: uint8 [n, key_bytes]) in ONE executor job (batch_job.py):
         its invalidations (plus whatever ``invalidate_many`` queued), ``write_data()`` (returns the payload
-        checksums and the data syscalls), its commits. The bookkeeping stays here, on the loop, before and
-        after the job; returns the data syscalls."""
+        checksums and the data syscalls), its commits; returns the data syscalls.
+
+        The bookkeeping stays on the loop: under ``lock`` before the job (which slots need records, room
+        in the journal, compaction at the bound), and the mirror after it. The lock is not held while the
+        job runs, so batches of other slots (O_DIRECT: they overlap their data writes) run beside it; their
+        appends take turns on the shared ``tail``, and whatever needs the journal to itself (compaction,
+        ``before_write``, close) waits for the jobs in flight first (``_quiesce``).
+        """
+        nbytes = 0
         async with self.lock:
             queued = [self.pending.popleft() for _ in range(len(self.pending))]
             todo = np.unique(np.concatenate([*queued, slots]).astype(np.int64)) if queued else slots
             todo = todo[self.live[todo]]  # only commits need a record
+            nbytes = (len(todo) + len(slots)) * JREC_SIZE
             try:
-                await self._make_room((len(todo) + len(slots)) * JREC_SIZE)
+                if self.size + self._reserved + nbytes > self.limit:
+                    await self._quiesce()
+                    await self._make_room(nbytes)
             except OSError:
                 self.pending.append(todo)  # retried at the next journal write
                 raise
-            job = BatchJob(self.fd, self.size, self.fsync, todo, int(seqs.max()), slots, seqs, keys, write_data)
-            try:
-                syscalls = await self.calls.run(job)
-            finally:
-                self.appends += job.appends
-                if job.inv_done:
-                    self._appended(job.inv_bytes)
-                    self.live[todo] = False
-                    self.nlive -= len(todo)
-                elif len(todo):
-                    self.pending.append(todo)  # the old blocks are intact: retried at the next journal write
-                if job.commit_done:
-                    self._appended(job.commit_bytes)
-                    self.nlive += int(np.count_nonzero(~self.live[slots]))
-                    self.live[slots], self.seqs[slots], self.psums[slots], self.keys[slots] = True, seqs, job.psums, keys
-            if self._too_big():
-                await self._try_compact()
-            return syscalls
+            if not self._jobs:  # nothing in flight: the tail is where our own bookkeeping says
+                self.tail.end = self.size
+            job = BatchJob(self.fd, self.tail, self.fsync, todo, int(seqs.max()), slots, seqs, keys, write_data)
+            self._jobs, self._reserved = self._jobs + 1, self._reserved + nbytes
+            self._idle.clear()
+        try:
+            syscalls = await self.calls.run(job)
+        finally:
+            self._settle(job, todo, slots, seqs, keys)
+            self._jobs, self._reserved = self._jobs - 1, self._reserved - nbytes
+            if not self._jobs:
+                self._idle.set()
+        if self._too_big():
+            async with self.lock:
+                await self._quiesce()
+                if self._too_big():  # another batch may have compacted meanwhile
+                    await self._try_compact()
+        return syscalls
+
+    def _settle(self, job: BatchJob, todo: np.ndarray, slots: np.ndarray, seqs: np.ndarray, keys: np.ndarray) -> None:
+        """The mirror after a batch job, from how far it got (it may have raised)."""
+        self.appends += job.appends
+        if job.inv_done:
+            self._appended(job.inv_bytes)
+            self.live[todo] = False
+            self.nlive -= len(todo)
+        elif len(todo):
+            self.pending.append(todo)  # the old blocks are intact: retried at the next journal write
+        if job.commit_done:
+            self._appended(job.commit_bytes)
+            self.nlive += int(np.count_nonzero(~self.live[slots]))
+            self.live[slots], self.seqs[slots], self.psums[slots], self.keys[slots] = True, seqs, job.psums, keys
+
+    async def _quiesce(self) -> None:
+        """Wait (holding ``lock``, so no batch starts) until no batch job is in flight."""
+        while self._jobs:
+            await self._idle.wait()
 
     async def close(self) -> None:
         async with self.lock:
+            await self._quiesce()
             f, self.file, self.fd = self.file, None, -1
             if f is not None:
                 await f.close()
