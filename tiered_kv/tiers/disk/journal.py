@@ -149,11 +149,11 @@ class Journal:
             self._idle.clear()
         try:
             syscalls = await self.calls.run(job)
-        finally:
-            self._settle(job, todo, slots, seqs, keys)
+        finally:  # no await from here to the mirror's update: a quiesced journal is a settled one
             self._jobs, self._reserved = self._jobs - 1, self._reserved - nbytes
             if not self._jobs:
                 self._idle.set()
+            self._settle(job, todo, slots, seqs, keys)
         if self._too_big():
             async with self.lock:
                 await self._quiesce()
