@@ -1,8 +1,9 @@
 """The disk tier's journal: commit/invalidate records that make restart recovery a bulk parse.
 
 See format.py for the record layout, recovery.py for how a journal is replayed, and store.py for the
-write protocol that orders invalidate -> data -> commit. A batch of blocks costs two appends: one for its
-invalidations (plus whatever ``invalidate_many`` queued), one for its commits, each one aiofiles write.
+write protocol that orders invalidate -> data -> commit. A batch of blocks costs two appends (one for its
+invalidations plus whatever ``invalidate_many`` queued, one for its commits), both made by the batch's ONE
+executor job (batch_job.py) through the journal's fd; ``flush`` / ``aclose`` append through the aiofiles file.
 """
 
 from __future__ import annotations
@@ -36,14 +37,14 @@ def journal_limit(num_slots: int, floor: int) -> int:
 class Journal:
     """journal.tkv plus an in-memory mirror of its committed slots (key, seq, checksum).
 
-    Runs on the event loop; its file I/O goes through aiofiles on the store's executor (aio.py), one
-    append at a time under ``lock`` (an asyncio.Lock), and ``queue_invalidate`` is a plain deque append.
-    Records go at our own offset (``size``), not O_APPEND: a failed append is cut off and overwritten by the
-    next, so records stay aligned even after ENOSPC. Compaction rewrites the journal from the mirror (temp
-    file, fsync, rename over, fsync of the directory). It runs under ``lock`` after a batch's commits, which
-    is a safe point even while other batches are between their invalidations and their commits: the mirror
-    is exactly the net effect of the records written so far, and those batches' later records land in the
-    new file.
+    Runs on the event loop; its file I/O runs on the store's executor (aio.py): a batch's two appends in
+    that batch's one job (``write_batch``), the rest through aiofiles. ``queue_invalidate`` is a plain
+    deque append. Records go at our own offset (``size``; ``tail`` while batch jobs are in flight), not
+    O_APPEND: a failed append is cut off and overwritten by the next, so records stay aligned even after
+    ENOSPC. The mirror is only updated on the loop, from what each job reports. Compaction rewrites the
+    journal from the mirror (temp file, fsync, rename over, fsync of the directory) under ``lock`` once no
+    batch job is in flight (``_quiesce``): then the mirror is exactly the net effect of the records written
+    so far, and no job still holds the old file's fd.
     """
 
     def __init__(self, dirpath: str, key_bytes: int, num_slots: int, *, fsync: bool, compact_slack: int,
@@ -214,7 +215,7 @@ class Journal:
         self.records += nbytes // JREC_SIZE
 
     async def _append(self, data: bytes) -> None:
-        """One append through the file's position (flush, aclose): off the hot path, two hand-offs."""
+        """One append through the aiofiles file's position (flush, aclose: off the hot path)."""
         await self._make_room(len(data))
         try:
             self.appends += 1

@@ -11,6 +11,9 @@ Write protocol, per batch:
     O_DIRECT through a page-aligned bounce buffer);
  3. ONE journal append of commit records (seq, slot, key, xxh3 of the payload).
 
+All three (and their fdatasyncs when fsync=True) are ONE job on the tier's executor (batch_job.py): the
+loop hands a batch off once, and keeps the journal's bookkeeping before and after it (journal.py).
+
 Trust: the cache directory and namespace directory must be ours and not group/world-writable; the
 namespace dir is held open and every file is opened relative to it, never through a link (files.py).
 Recovery streams the journal in bounded chunks (recovery.py).
@@ -25,9 +28,9 @@ await does not stop a pwritev/preadv on the slab. Large batches split their chec
 threads (records.Hasher).
 
 I/O: every file call goes through aiofiles on the tier's own executor (aio.py): the files are opened and
-closed with ``aiofiles.open``, the journal appends and reads through them, stat/unlink/rename through
-``aiofiles.os``, and each batch's vectored data job through ``aiofiles.os.wrap``: one hand-off per batch,
-one syscall per run inside it.
+closed with ``aiofiles.open``, the journal read (and appended by flush/aclose) through them,
+stat/unlink/rename through ``aiofiles.os``, and each batch's job (its journal appends through the
+journal's fd, its data) through ``aiofiles.os.wrap``: one hand-off per batch, one syscall per run inside it.
 """
 
 from __future__ import annotations
@@ -122,7 +125,7 @@ class DiskStore:
         self._seq = 0
         self._writing = np.zeros(num_slots, bool)  # slots with a write in flight
         # Buffered pwrites to one file serialize on its inode lock: a second writer measured slower, not
-        # faster. Held across a batch's invalidations and data (not its checksums or commits).
+        # faster. Held across a batch's whole job; O_DIRECT batches of other slots overlap.
         self._write_lock = asyncio.Lock()
 
     @property
@@ -349,8 +352,7 @@ class DiskStore:
     async def _write(self, slots: np.ndarray, keys: np.ndarray, seqs: np.ndarray, src: np.ndarray,
                      rows: list[int]) -> int:  # fmt: skip
         """Invalidations, data, commits for one batch sorted by slot, in one executor job; returns the data
-        syscalls made. The journal's lock is held around the job, so batches run one at a time (also
-        with O_DIRECT, where they used to overlap their data writes: see journal.write_batch)."""
+        syscalls made. Buffered: one batch at a time (``_write_lock``); O_DIRECT: beside other batches."""
         dfd, fsync = self._dfd, self._fsync
 
         def write_data() -> tuple[np.ndarray, int]:  # step 2 of the job, on its thread
