@@ -203,3 +203,32 @@ async def test_o_direct_batches_overlap_and_compaction_waits_for_them(tmp_path, 
         store.invalidate_many(np.array([3]))  # journaled by aclose
         expect.pop(3)
     assert await recovered_exact(tmp_path) == expect
+
+
+async def test_a_queued_invalidation_journaled_beside_a_batch_of_that_slot_counts_once(tmp_path, monkeypatch):
+    """O_DIRECT: while batch X's data write of slot 0 hangs, slot 0 is queued for invalidation and batch Y
+    (slot 5) journals it too. The mirror's live count stays the number of live slots, and recovery agrees."""
+    store = DiskStore(tmp_path, NS, 16, io_threads=2, o_direct=True)
+    real, entered, gate = os.pwritev, threading.Event(), threading.Event()
+
+    def pwritev(fd, bufs, offset):
+        if fd == store._dfd and not entered.is_set():
+            entered.set()
+            gate.wait(10)
+        return real(fd, bufs, offset)
+
+    async with store:
+        if not store.o_direct_active:
+            pytest.skip(f"O_DIRECT unusable here: {store.o_direct_reason}")
+        assert (await put(store, [0], keys_at([0], "a"))).all()
+        monkeypatch.setattr(os, "pwritev", pwritev)
+        x = asyncio.create_task(put(store, [0], keys_at([0], "b")))
+        while not entered.is_set():
+            await asyncio.sleep(0.001)
+        store.invalidate_many(np.array([0]))
+        assert (await put(store, [5], keys_at([5], "c"))).all()
+        gate.set()
+        assert (await x).all()
+        j = store._journal
+        assert j.nlive == int(np.count_nonzero(j.live)) == 2
+    assert await recovered_exact(tmp_path) == {0: key_of(0, "b"), 5: key_of(5, "c")}

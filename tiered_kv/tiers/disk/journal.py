@@ -130,7 +130,6 @@ class Journal:
         appends take turns on the shared ``tail``, and whatever needs the journal to itself (compaction,
         ``before_write``, close) waits for the jobs in flight first (``_quiesce``).
         """
-        nbytes = 0
         async with self.lock:
             queued = [self.pending.popleft() for _ in range(len(self.pending))]
             todo = np.unique(np.concatenate([*queued, slots]).astype(np.int64)) if queued else slots
@@ -167,8 +166,9 @@ class Journal:
         self.appends += job.appends
         if job.inv_done:
             self._appended(job.inv_bytes)
+            # count what is still live: a batch beside this one may have journaled a queued slot too
+            self.nlive -= int(np.count_nonzero(self.live[todo]))
             self.live[todo] = False
-            self.nlive -= len(todo)
         elif len(todo):
             self.pending.append(todo)  # the old blocks are intact: retried at the next journal write
         if job.commit_done:
