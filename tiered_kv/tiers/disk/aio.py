@@ -3,10 +3,11 @@
 Files are opened and closed with ``aiofiles.open`` (relative to the checked namespace directory, through
 an opener that keeps files.py's checks: no links, no FIFOs, ours, one link), ``stat`` / ``unlink`` /
 ``replace`` go through ``aiofiles.os``, and what aiofiles has no call for (``fsync``, ``fdatasync``, the
-batch jobs of records.py) through its own wrapper, ``aiofiles.os.wrap``. Every call names the tier's
-executor (``tiers.disk.io_threads`` threads), so the thread count holds and a batch is one hand-off: the
-batch job issues one vectored ``pwritev`` / ``preadv`` per run of consecutive slots from that one thread,
-never a thread (or a hop) per record.
+batch jobs) through its own wrapper, ``aiofiles.os.wrap`` (``DiskCalls.run``). Every call names the tier's
+executor (``tiers.disk.io_threads`` threads), so the thread count holds and a batch is ONE hand-off: a
+write batch's job (batch_job.py) appends its invalidations to the journal's fd, issues one vectored
+``pwritev`` per run of consecutive slots (records.py), then appends its commits, all from that one thread;
+a read batch's job one ``preadv`` per run. Never a thread (or a hop) per record or per append.
 
 Cancelling an await does not stop a call already on a thread, so ``DiskCalls.shielded`` runs a multi-step
 protocol as a task of its own that the caller waits for, cancelled or not, and ``drain`` lets ``aclose``

@@ -11,6 +11,9 @@ Write protocol, per batch:
     O_DIRECT through a page-aligned bounce buffer);
  3. ONE journal append of commit records (seq, slot, key, xxh3 of the payload).
 
+All three (and their fdatasyncs when fsync=True) are ONE job on the tier's executor (batch_job.py): the
+loop hands a batch off once, and keeps the journal's bookkeeping before and after it (journal.py).
+
 Trust: the cache directory and namespace directory must be ours and not group/world-writable; the
 namespace dir is held open and every file is opened relative to it, never through a link (files.py).
 Recovery streams the journal in bounded chunks (recovery.py).
@@ -25,9 +28,9 @@ await does not stop a pwritev/preadv on the slab. Large batches split their chec
 threads (records.Hasher).
 
 I/O: every file call goes through aiofiles on the tier's own executor (aio.py): the files are opened and
-closed with ``aiofiles.open``, the journal appends and reads through them, stat/unlink/rename through
-``aiofiles.os``, and each batch's vectored data job through ``aiofiles.os.wrap``: one hand-off per batch,
-one syscall per run inside it.
+closed with ``aiofiles.open``, the journal read (and appended by flush/aclose) through them,
+stat/unlink/rename through ``aiofiles.os``, and each batch's job (its journal appends through the
+journal's fd, its data) through ``aiofiles.os.wrap``: one hand-off per batch, one syscall per run inside it.
 """
 
 from __future__ import annotations
@@ -122,7 +125,7 @@ class DiskStore:
         self._seq = 0
         self._writing = np.zeros(num_slots, bool)  # slots with a write in flight
         # Buffered pwrites to one file serialize on its inode lock: a second writer measured slower, not
-        # faster. Held across a batch's invalidations and data (not its checksums or commits).
+        # faster. Held across a batch's whole job; O_DIRECT batches of other slots overlap.
         self._write_lock = asyncio.Lock()
 
     @property
@@ -348,19 +351,22 @@ class DiskStore:
 
     async def _write(self, slots: np.ndarray, keys: np.ndarray, seqs: np.ndarray, src: np.ndarray,
                      rows: list[int]) -> int:  # fmt: skip
-        """Invalidations, data, commits for one batch sorted by slot; returns the data syscalls made."""
-        calls = self._calls
+        """Invalidations, data, commits for one batch sorted by slot, in one executor job; returns the data
+        syscalls made. Buffered: one batch at a time (``_write_lock``); O_DIRECT: beside other batches."""
+        dfd, fsync = self._dfd, self._fsync
+
+        def write_data() -> tuple[np.ndarray, int]:  # step 2 of the job, on its thread
+            psums, syscalls = self._write_records(slots, keys, seqs, src, rows)
+            if fsync:
+                os.fdatasync(dfd)
+            return psums, syscalls
+
         async with self._write_lock if not self.o_direct_active else contextlib.nullcontext():
-            await self._journal.before_write(slots, int(seqs.max()))  # the old blocks stop being offered first
-            psums, syscalls = await calls.run(self._write_records, slots, keys, seqs, src, rows)
-            if self._fsync:
-                await calls.fdatasync(self._dfd)
-        await self._journal.commit(slots, seqs, keys, psums)
-        return syscalls
+            return await self._journal.write_batch(slots, seqs, keys, write_data)
 
     def _write_records(self, slots: np.ndarray, keys: np.ndarray, seqs: np.ndarray, src: np.ndarray,
                        rows: list[int]) -> tuple[np.ndarray, int]:  # fmt: skip
-        """The batch's checksums and data, in one executor job: one pwritev per run of consecutive slots."""
+        """The batch's checksums and data (in its executor job): one pwritev per run of consecutive slots."""
         psums = self._hasher.rows(src, rows)
         headers = encode_headers(slots, keys, self._bpb, seqs, psums)
         return psums, self._io.write_batch(self._dfd, slots, headers, src, rows)
