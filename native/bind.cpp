@@ -151,7 +151,6 @@ std::vector<Region> regions_of(py::handle list, Rows& rows, int side) {
 
 #include "bind_tier.hpp"  // parts of this file, after the helpers above
 #include "bind_rows_keys.hpp"
-#include "id_checks.hpp"
 
 PYBIND11_MODULE(_core, m) {
     m.doc() = "tiered_kv's bookkeeping core: key tables, tier indexes and eviction policies";
@@ -171,11 +170,15 @@ PYBIND11_MODULE(_core, m) {
         error_class(Err::BlockId) = block_id;
     });
     m.def("block_ids", &block_ids, py::arg("ids"), py::arg("num_blocks"));
-    m.def("check_copy_ids", &check_copy_ids, py::arg("src_ids"), py::arg("dst_ids"), py::arg("src_len"), py::arg("dst_len"),
-          py::arg("src_name"), py::arg("dst_name"));
-    m.def("slot_runs", [](py::array_t<i64, py::array::c_style | py::array::forcecast> slots) {
-        if (slots.ndim() != 1) raise(Err::Slot, "slot_runs: slots must be 1-D, got " + S(slots.ndim()) + " dims");
-        return count_runs(slots.data(), slots.size());
+    m.def("slot_runs", [](py::handle obj) {
+        py::array a = py::array::ensure(obj);
+        if (!a) throw py::error_already_set();
+        if (a.size() == 0) return i64{0};
+        if (a.ndim() != 1 || (a.dtype().kind() != 'i' && a.dtype().kind() != 'u'))
+            raise(Err::Slot, "slot_runs: slots must be 1-D integers, got " + std::string(py::str(a.dtype())) + " of " + S(a.ndim()) + " dims");
+        auto c = py::array_t<i64, py::array::c_style | py::array::forcecast>::ensure(a);
+        if (!c) throw py::error_already_set();
+        return count_runs(c.data(), c.size());
     }, py::arg("slots"));
 #ifdef TKV_DEBUG
     m.attr("DEBUG") = true;

@@ -29,30 +29,24 @@ struct Descriptors {
     void add(u64 s, u64 d, u64 n) { src.push_back(s); dst.push_back(d); bytes.push_back(static_cast<size_t>(n)); }
 };
 
-// Raise TransferError (CoreError, Err::Transfer) unless the ids are in range and no destination repeats
-// (src[0..ns), dst[0..nd); src's range first). Also the engines' submit check (id_checks.hpp).
-inline void check_ids(const i64* src, i64 ns, const i64* dst, i64 nd, i64 src_len, i64 dst_len,
+// Raise TransferError (CoreError, Err::Transfer) unless the ids are in range and no destination repeats.
+inline void check_ids(const std::vector<i64>& src, const std::vector<i64>& dst, i64 src_len, i64 dst_len,
                       const std::string& src_name, const std::string& dst_name) {
-    if (nd != ns) fail(Err::Transfer, "length mismatch: " + S(ns) + " " + src_name + "s vs " + S(nd) + " " + dst_name + "s");
+    const i64 n = static_cast<i64>(src.size());
+    if (static_cast<i64>(dst.size()) != n)
+        fail(Err::Transfer, "length mismatch: " + S(n) + " " + src_name + "s vs " + S(static_cast<i64>(dst.size())) + " " + dst_name + "s");
     for (int side = 0; side < 2; ++side) {
-        const i64* ids = side == 0 ? src : dst;
+        const std::vector<i64>& ids = side == 0 ? src : dst;
         const i64 len = side == 0 ? src_len : dst_len;
-        for (i64 i = 0; i < ns; ++i)
-            if (ids[i] < 0 || ids[i] >= len)
-                fail(Err::Transfer, (side == 0 ? src_name : dst_name) + " " + S(ids[i]) + " out of range [0, " + S(len) + ")");
+        for (i64 x : ids)
+            if (x < 0 || x >= len) fail(Err::Transfer, (side == 0 ? src_name : dst_name) + " " + S(x) + " out of range [0, " + S(len) + ")");
     }
-    if (ns > 1) {
-        std::vector<i64> s(dst, dst + ns);
+    if (n > 1) {
+        std::vector<i64> s(dst);
         std::sort(s.begin(), s.end());
         auto rep = std::adjacent_find(s.begin(), s.end());
         if (rep != s.end()) fail(Err::Transfer, "duplicate " + dst_name + " " + S(*rep) + " in one batch");
     }
-}
-
-inline void check_ids(const std::vector<i64>& src, const std::vector<i64>& dst, i64 src_len, i64 dst_len,
-                      const std::string& src_name, const std::string& dst_name) {
-    check_ids(src.data(), static_cast<i64>(src.size()), dst.data(), static_cast<i64>(dst.size()), src_len, dst_len,
-              src_name, dst_name);
 }
 
 // Descriptors of one call: block gpu_ids[i] <-> slot slots[i] for every region (ids already checked).

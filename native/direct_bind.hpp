@@ -1,5 +1,5 @@
 // Python bindings of the direct copy road (issue 46): _core.DirectCopier, _core.direct_plan and
-// _core.direct_check_ids (the pure plan, for property tests), and _core.fake_cuda (the fake driver's test
+// _core.check_copy_ids (every engine's id check; the direct road's own, for property tests too), and _core.fake_cuda (the fake driver's test
 // controls). bind.cpp calls bind_direct(m) once.
 #pragma once
 #include "convert.hpp"
@@ -30,11 +30,14 @@ inline py::array_t<u64> u64_array(const std::vector<u64>& v) {
 
 inline void bind_direct(py::module_& m) {
     using Regions = std::vector<std::array<i64, 6>>;
-    m.def("direct_check_ids", [](py::handle src, py::handle dst, i64 src_len, i64 dst_len, const std::string& sn, const std::string& dn) {
+    // A copy's ids as two int64 arrays, checked as the direct road checks them (check_id_arrays in
+    // transfer/engines/base.py calls this for every engine; its numpy reference is tests/reference_core).
+    m.def("check_copy_ids", [](py::handle src, py::handle dst, i64 src_len, i64 dst_len, const std::string& sn, const std::string& dn) {
         std::vector<i64> s = id_copy(src, sn), d = id_copy(dst, dn);  // in order: src's error first
         check_ids(s, d, src_len, dst_len, sn, dn);
+        return py::make_tuple(i64_array(s.data(), static_cast<i64>(s.size())), i64_array(d.data(), static_cast<i64>(d.size())));
     }, py::arg("src"), py::arg("dst"), py::arg("src_len"), py::arg("dst_len"), py::arg("src_name"), py::arg("dst_name"));
-    // The descriptors of one call (ids unchecked: use direct_check_ids first) as (src, dst, bytes) uint64 arrays.
+    // The descriptors of one call (ids unchecked: use check_copy_ids first) as (src, dst, bytes) uint64 arrays.
     m.def("direct_plan", [](const Regions& regions, py::handle gpu_ids, py::handle slots, bool store, i64 dma_rows) {
         std::vector<i64> g = id_copy(gpu_ids, "gpu block id"), s = id_copy(slots, "cpu slot");
         if (g.size() != s.size()) raise(Err::Transfer, "direct_plan: " + S(static_cast<i64>(g.size())) + " ids vs " + S(static_cast<i64>(s.size())) + " slots");

@@ -31,6 +31,14 @@ def direct_cache(kv, cfg):
     return tkv.TieredKVCache(cfg, layout, engine_factory=factory), engines
 
 
+def filled(cache, kv, n: int) -> list[bytes]:
+    """The keys of GPU blocks 0..n-1, each block filled with its key's bytes."""
+    keys = cache.keyer.keys_for_block_ids(range(n))
+    for i, key in enumerate(keys):
+        fill(kv, i, key)
+    return keys
+
+
 async def started(coro):
     """The call as a task, run until it waits on its copy (the fake stream is held)."""
     task = asyncio.ensure_future(coro)
@@ -43,9 +51,7 @@ async def test_a_store_and_a_load_start_within_the_call_and_own_no_task():
     kv = make_kv(64)
     cache, engines = direct_cache(kv, config(cpu_blocks=8))
     async with cache:
-        keys = cache.keyer.keys_for_block_ids(range(8))
-        for i, key in enumerate(keys):
-            fill(kv, i, key)
+        keys = filled(cache, kv, 8)
         store_stream = engines[0].stream_handle(Direction.STORE)
         fake.hold(store_stream)
         try:
@@ -67,9 +73,7 @@ async def test_a_cancelled_store_waits_for_its_copy_then_discards_it():
     kv = make_kv(64)
     cache, engines = direct_cache(kv, config(cpu_blocks=8))
     async with cache:
-        keys = cache.keyer.keys_for_block_ids(range(4))
-        for i, key in enumerate(keys):
-            fill(kv, i, key)
+        keys = filled(cache, kv, 4)
         stream = engines[0].stream_handle(Direction.STORE)
         fake.hold(stream)
         try:
@@ -90,9 +94,7 @@ async def test_a_failed_copy_fails_the_call_and_keeps_nothing():
     kv = make_kv(64)
     cache, _ = direct_cache(kv, config(cpu_blocks=8))
     async with cache:
-        keys = cache.keyer.keys_for_block_ids(range(4))
-        for i, key in enumerate(keys):
-            fill(kv, i, key)
+        keys = filled(cache, kv, 4)
         fake.fail_batches(1)
         with pytest.raises(TransferError):
             await cache.store(keys, [0, 1, 2, 3])
@@ -113,9 +115,7 @@ async def test_the_handed_off_copy_waits_for_the_callers_compute():
     model, ready = fake.stream_create(), fake.event_create()
     try:
         async with cache:
-            keys = cache.keyer.keys_for_block_ids(range(4))
-            for i, key in enumerate(keys):
-                fill(kv, i, key)
+            keys = filled(cache, kv, 4)
             fake.hold(model)  # the forward pass has not reached the event yet
             fake.record(ready, model)
             fake.reset_counts()

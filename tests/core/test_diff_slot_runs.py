@@ -31,5 +31,11 @@ def test_native_runs_count_matches_the_reference_in_any_order(slots, rnd):
 def test_other_integer_arrays_and_lists_count_alike_and_two_dims_are_refused():
     assert core.slot_runs(np.array([4, 2, 3, 9], dtype=np.int32)) == core.slot_runs([9, 3, 4, 2]) == 2
     assert core.slot_runs(np.zeros(0, dtype=np.int64)) == 0
-    with pytest.raises(SlotError, match="1-D, got 2 dims"):
+    with pytest.raises(SlotError, match="1-D integers, got int64 of 2 dims"):
         core.slot_runs(np.zeros((2, 2), dtype=np.int64))
+    with pytest.raises(SlotError, match="got float64"):  # never cast: 0.5 and 1.5 are not slots
+        core.slot_runs(np.array([0.5, 1.5]))
+    with pytest.raises(SlotError, match="got bool"):
+        core.slot_runs([True, False])
+    view = np.arange(10, dtype=np.int64)[::3]  # a strided view counts as its values: 0 3 6 9
+    assert core.slot_runs(view) == 4 and view.tolist() == [0, 3, 6, 9]  # and is left as it was

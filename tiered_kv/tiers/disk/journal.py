@@ -105,9 +105,7 @@ class Journal:
         their bytes change."""
         async with self.lock:
             await self._quiesce()
-            queued = [self.pending.popleft() for _ in range(len(self.pending))]
-            todo = np.unique(np.concatenate([*queued, slots]).astype(np.int64)) if queued else slots
-            todo = todo[self.live[todo]]  # only commits need a record
+            todo = self._invalidations(slots)
             if not len(todo):
                 return
             try:
@@ -117,6 +115,13 @@ class Journal:
                 raise
             self.live[todo] = False
             self.nlive -= len(todo)
+
+    def _invalidations(self, slots: np.ndarray) -> np.ndarray:
+        """What the next append must invalidate: the queued slots and ``slots``, those holding commits
+        (taken off the queue: a failed append puts them back)."""
+        queued = [self.pending.popleft() for _ in range(len(self.pending))]
+        todo = np.unique(np.concatenate([*queued, slots]).astype(np.int64)) if queued else slots
+        return todo[self.live[todo]]  # only commits need a record
 
     async def write_batch(self, slots: np.ndarray, seqs: np.ndarray, keys: np.ndarray,
                           write_data: Callable[[], tuple[np.ndarray, int]]) -> int:  # fmt: skip
@@ -131,9 +136,7 @@ class Journal:
         ``before_write``, close) waits for the jobs in flight first (``_quiesce``).
         """
         async with self.lock:
-            queued = [self.pending.popleft() for _ in range(len(self.pending))]
-            todo = np.unique(np.concatenate([*queued, slots]).astype(np.int64)) if queued else slots
-            todo = todo[self.live[todo]]  # only commits need a record
+            todo = self._invalidations(slots)
             nbytes = (len(todo) + len(slots)) * JREC_SIZE
             try:
                 if self.size + self._reserved + nbytes > self.limit:

@@ -269,17 +269,6 @@ class CountedCopies(Protocol):
     def close_copies(self) -> None: ...
 
 
-def _id_array(ids: Sequence[int] | np.ndarray, name: str) -> np.ndarray:
-    if isinstance(ids, torch.Tensor):
-        ids = ids.cpu().numpy()
-    arr = np.asarray(ids)
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) and arr.dtype != np.bool_):
-        raise TransferError(f"{name}s must be integers, got {arr.dtype} of shape {list(arr.shape)}")
-    return arr.astype(np.int64, copy=False)
-
-
 def check_id_arrays(
     src_ids: Sequence[int] | np.ndarray,
     dst_ids: Sequence[int] | np.ndarray,
@@ -292,31 +281,15 @@ def check_id_arrays(
     """Both id lists as int64 arrays, or TransferError naming the numbers.
 
     Checks: equal lengths, every id in ``[0, len)`` (negative ids never wrap),
-    no destination id twice (two rows racing for one block is always a bug). Integer arrays and lists of
-    ints take one native pass (a tenth of the numpy checks' time on a 64-block call); anything else (a
-    tensor, numpy scalars) the numpy body below, which is also the native pass's reference.
+    no destination id twice (two rows racing for one block is always a bug). One native pass, the direct
+    road's own check (``core.check_copy_ids``; its numpy reference: tests/reference_core/copy_ids.py);
+    a tensor of ids is read on the host first.
     """
-    checked = core.check_copy_ids(src_ids, dst_ids, src_len, dst_len, src_name, dst_name)
-    if checked is not None:
-        return checked
-    return _check_id_arrays_numpy(src_ids, dst_ids, src_len, dst_len, src_name, dst_name)
-
-
-def _check_id_arrays_numpy(src_ids: Any, dst_ids: Any, src_len: int, dst_len: int, src_name: str,
-                           dst_name: str) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
-    src, dst = _id_array(src_ids, src_name), _id_array(dst_ids, dst_name)
-    if len(src) != len(dst):
-        raise TransferError(f"length mismatch: {len(src)} {src_name}s vs {len(dst)} {dst_name}s")
-    for ids, length, name in ((src, src_len, src_name), (dst, dst_len, dst_name)):
-        bad = (ids < 0) | (ids >= length)
-        if bad.any():
-            raise TransferError(f"{name} {int(ids[np.argmax(bad)])} out of range [0, {length})")
-    if len(dst) > 1:
-        ordered = np.sort(dst)
-        dup = ordered[1:] == ordered[:-1]
-        if dup.any():
-            raise TransferError(f"duplicate {dst_name} {int(ordered[1:][np.argmax(dup)])} in one batch")
-    return src, dst
+    if isinstance(src_ids, torch.Tensor):
+        src_ids = src_ids.cpu().numpy()
+    if isinstance(dst_ids, torch.Tensor):
+        dst_ids = dst_ids.cpu().numpy()
+    return core.check_copy_ids(src_ids, dst_ids, src_len, dst_len, src_name, dst_name)
 
 
 def validate_regions(gpu: Sequence[torch.Tensor], cpu: Sequence[torch.Tensor]) -> None:
