@@ -80,9 +80,8 @@ def held_paths(proc_root: Path = Path("/proc")) -> set[str]:
     for pid in proc_root.iterdir():
         if not pid.name.isdigit():
             continue
+        held |= open_paths(int(pid.name), proc_root)
         try:
-            for fd in (pid / "fd").iterdir():
-                held.add(os.readlink(fd))
             for line in (pid / "maps").read_text().splitlines():
                 parts = line.split(None, 5)
                 if len(parts) == 6:
@@ -90,6 +89,22 @@ def held_paths(proc_root: Path = Path("/proc")) -> set[str]:
         except OSError:  # gone meanwhile, or not ours to read
             continue
     return held
+
+
+def open_paths(pid: int, proc_root: Path = Path("/proc")) -> set[str]:
+    """The paths process ``pid`` has open. An fd closed between the listing and its readlink is skipped
+    alone: a process opening and closing other files still holds the ones it keeps."""
+    paths: set[str] = set()
+    try:
+        fds = list((proc_root / str(pid) / "fd").iterdir())
+    except OSError:  # gone, or not ours to read
+        return paths
+    for fd in fds:
+        try:
+            paths.add(os.readlink(fd))
+        except OSError:
+            continue
+    return paths
 
 
 class ShmSweep:

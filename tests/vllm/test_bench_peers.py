@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from peer_procs import ShmSweep, group, run_engine  # noqa: E402
+from peer_procs import ShmSweep, group, held_paths, open_paths, run_engine  # noqa: E402
 from peer_stats import ENGINES, order, plan, rows, samples, summarise, table  # noqa: E402
 
 
@@ -113,7 +113,7 @@ def test_sweep_removes_only_new_unheld_entries_of_its_prefixes(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", f"f = open({str(held)!r}); import time; time.sleep(60)"])
     try:
         deadline = time.monotonic() + 10
-        while not any(os.readlink(f) == str(held) for f in Path(f"/proc/{holder.pid}/fd").iterdir()):
+        while str(held) not in open_paths(holder.pid):  # its fds come and go while Python starts
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert sorted(sweep.sweep()) == ["lmcache_kv_a", "vllm_dist_b"]
@@ -123,6 +123,16 @@ def test_sweep_removes_only_new_unheld_entries_of_its_prefixes(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["lmcache_kv_held", "lmcache_kv_old", "other", "tkv-0.lock"]
     assert sweep.sweep() == ["lmcache_kv_held"]  # its holder is gone
     assert sorted(sweep.removed) == ["lmcache_kv_a", "lmcache_kv_held", "vllm_dist_b"]
+
+
+def test_a_process_whose_other_fd_vanished_still_holds_its_entry(tmp_path):
+    # /proc/<pid>/fd as the sweep reads it: fd 3 closed between the listing and its readlink (here: not a
+    # link, so readlink fails as it does for a vanished one), fd 4 still the shm entry.
+    fds = tmp_path / "proc" / "4242" / "fd"
+    fds.mkdir(parents=True)
+    (fds / "3").write_bytes(b"")
+    (fds / "4").symlink_to("/dev/shm/lmcache_kv_x")
+    assert held_paths(tmp_path / "proc") == {"/dev/shm/lmcache_kv_x"}
 
 
 def test_sweep_leaves_a_fresh_entry_another_engine_may_not_have_mapped_yet(tmp_path):
